@@ -1,0 +1,89 @@
+"""The `kvscope` command line.
+
+Subcommands live in `agent.commands.<name>` as light modules (typer only at import time);
+each imports its heavy dependencies inside the command body. A subcommand whose module is not
+installed in this tree is simply absent from `--help`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+
+import typer
+
+from agent.errors import InputError
+
+# (command name, module, function or sub-app attribute). Order is the order in --help.
+_COMMANDS: tuple[tuple[str, str, str], ...] = (
+    ("run", "agent.commands.run", "run"),
+    ("analyze", "agent.commands.analyze", "analyze"),
+    ("compare", "agent.commands.compare", "compare"),
+    ("timeline", "agent.commands.timeline", "timeline"),
+    ("plan", "agent.commands.plan", "plan"),
+    ("agent", "agent.commands.agent", "agent"),
+    ("rules", "agent.commands.rules", "app"),
+    ("dashboard", "agent.commands.dashboard", "dashboard"),
+    ("demo", "agent.commands.demo", "demo"),
+    ("version", "agent.commands.version", "version"),
+)
+
+app = typer.Typer(
+    name="kvscope",
+    help=(
+        "Where did the time to first token go, and where did each prompt token's KV come from?\n\n"
+        "kvscope instruments paged-KV serving engines, exports Prometheus/OpenTelemetry/Parquet, "
+        "and explains TTFT stage by stage."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+@app.callback()
+def _root() -> None:
+    """kvscope: TTFT breakdowns and KV-cache accounting for paged-KV serving engines."""
+
+
+def _register() -> None:
+    for name, module, attr in _COMMANDS:
+        if importlib.util.find_spec(module) is None:
+            continue
+        obj = getattr(importlib.import_module(module), attr)
+        if isinstance(obj, typer.Typer):
+            app.add_typer(obj, name=name)
+        else:
+            app.command(name)(obj)
+
+
+_register()
+
+USER_ERRORS = (
+    InputError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError,
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the console script. User errors → one line on stderr, exit 2."""
+    try:
+        app(args=argv, prog_name="kvscope", standalone_mode=True)
+    except SystemExit as exc:  # typer/click exit paths (help, usage errors, typer.Exit)
+        code = exc.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
+    except USER_ERRORS as exc:
+        msg = str(exc) or exc.__class__.__name__
+        if isinstance(exc, OSError) and exc.filename and str(exc.filename) not in msg:
+            msg = f"{exc.filename}: {msg}"
+        print(f"kvscope: error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kvscope: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""Reading a run store into Arrow tables or pandas DataFrames, validated against the schemas."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from agent.errors import InputError, SchemaVersionError
+from agent.runstore.writer import PART_RE
+from agent.schema import RUN_JSON_KEYS, SCHEMA_VERSION, TABLES
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+
+@dataclass
+class RunStore:
+    """A run directory read into memory.
+
+    Attributes:
+        path: the run directory.
+        meta: run.json.
+        tables: table name → Arrow table (empty with the right schema when it has no parts).
+        gaps: human-readable notes on missing parts (e.g. "samples: part-00003 missing").
+        parts: table name → part sequence numbers read.
+    """
+
+    path: Path
+    meta: dict[str, Any]
+    tables: dict[str, pa.Table]
+    gaps: list[str] = field(default_factory=list)
+    parts: dict[str, list[int]] = field(default_factory=dict)
+    _frames: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def frame(self, name: str) -> pd.DataFrame:
+        """Table `name` as a DataFrame (cached). Nullable integer columns use pandas' `Int64`
+        (epoch ns do not fit a float64 exactly); strings stay strings."""
+        if name not in self._frames:
+            self._frames[name] = to_pandas(self.tables[name], TABLES[name])
+        return self._frames[name]
+
+    @property
+    def requests(self) -> pd.DataFrame:
+        return self.frame("requests")
+
+    @property
+    def spans(self) -> pd.DataFrame:
+        return self.frame("spans")
+
+    @property
+    def layers(self) -> pd.DataFrame:
+        return self.frame("layers")
+
+    @property
+    def samples(self) -> pd.DataFrame:
+        return self.frame("samples")
+
+    @property
+    def events(self) -> pd.DataFrame:
+        return self.frame("events")
+
+    @property
+    def complete(self) -> bool:
+        return self.meta.get("status") == "complete" and not self.gaps
+
+
+def to_pandas(table: pa.Table, schema: pa.Schema) -> pd.DataFrame:
+    import pandas as pd
+
+    df = table.to_pandas()
+    for f in schema:
+        if f.nullable and pa.types.is_integer(f.type):
+            dtype = pd.Int32Dtype() if f.type == pa.int32() else pd.Int64Dtype()
+            df[f.name] = table[f.name].to_pandas(types_mapper={f.type: dtype}.get)
+    return df
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    meta_path = path / "run.json"
+    if not path.exists():
+        raise InputError(f"{path}: no such run directory")
+    if not path.is_dir():
+        raise InputError(f"{path}: not a directory (expected a kvscope run directory)")
+    if not meta_path.exists():
+        raise InputError(f"{meta_path}: missing (not a kvscope run directory)")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"{meta_path}: not valid JSON ({exc})") from None
+    if not isinstance(meta, dict):
+        raise InputError(f"{meta_path}: expected a JSON object")
+    missing = [k for k in RUN_JSON_KEYS if k not in meta]
+    if missing:
+        raise InputError(f"{meta_path}: missing key(s) {', '.join(missing)}")
+    version = meta["schema_version"]
+    if not isinstance(version, int):
+        raise InputError(f"{meta_path}: schema_version must be an integer, got {version!r}")
+    if version > SCHEMA_VERSION:
+        raise SchemaVersionError(
+            f"{meta_path}: schema version {version} is newer than this kvscope supports "
+            f"({SCHEMA_VERSION}); upgrade kvscope to read it"
+        )
+    return meta
+
+
+def _conform(tbl: pa.Table, schema: pa.Schema, where: Path) -> pa.Table:
+    missing = [f.name for f in schema if f.name not in tbl.column_names]
+    if missing:
+        raise InputError(f"{where}: missing column(s) {', '.join(missing)}")
+    tbl = tbl.select(schema.names)
+    if tbl.schema.equals(schema):
+        return tbl
+    cols = []
+    for f in schema:
+        col = tbl[f.name]
+        if col.type != f.type:
+            try:
+                col = col.cast(f.type)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                raise InputError(
+                    f"{where}: column {f.name!r} has type {col.type}, expected {f.type}"
+                ) from None
+        if not f.nullable and col.null_count:
+            raise InputError(f"{where}: column {f.name!r} has {col.null_count} null value(s)")
+        cols.append(col)
+    return pa.Table.from_arrays(cols, schema=schema)
+
+
+def read_table(path: Path, name: str, gaps: list[str]) -> tuple[pa.Table, list[int]]:
+    schema = TABLES[name]
+    d = path / name
+    if not d.is_dir():
+        return schema.empty_table(), []
+    parts = sorted((int(m.group(1)), p) for p in d.iterdir() if (m := PART_RE.match(p.name)))
+    seqs = [s for s, _ in parts]
+    if seqs:
+        expected = set(range(seqs[0], seqs[-1] + 1))
+        missing = sorted(expected - set(seqs))
+        if seqs[0] > 0:
+            gaps.append(f"{name}: parts 00000-{seqs[0] - 1:05d} missing (rotated or deleted)")
+        if missing:
+            gaps.append(f"{name}: part(s) {', '.join(f'{m:05d}' for m in missing)} missing")
+    tables = []
+    for _, p in parts:
+        try:
+            t = pq.read_table(p)
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise InputError(f"{p}: unreadable Parquet part ({exc})") from None
+        tables.append(_conform(t, schema, p))
+    if not tables:
+        return schema.empty_table(), seqs
+    return pa.concat_tables(tables), seqs
+
+
+def open_run(path: str | os.PathLike[str], tables: tuple[str, ...] | None = None) -> RunStore:
+    """Read a run directory. Raises `InputError` naming the file at fault.
+
+    Args:
+        path: the run directory.
+        tables: which tables to read (default all); the others are empty.
+    """
+    p = Path(path)
+    meta = read_meta(p)
+    gaps: list[str] = []
+    out: dict[str, pa.Table] = {}
+    seqs: dict[str, list[int]] = {}
+    for name, schema in TABLES.items():
+        if tables is not None and name not in tables:
+            out[name] = schema.empty_table()
+            continue
+        out[name], seqs[name] = read_table(p, name, gaps)
+    return RunStore(path=p, meta=meta, tables=out, gaps=gaps, parts=seqs)

@@ -1,0 +1,121 @@
+"""Range annotations for external profilers: NVTX (domain ``kvscope``) and, optionally, the
+PyTorch profiler's ``record_function`` ranges (``kvscope.<name>``) so Kineto traces carry them.
+
+Request stages overlap across requests, so they use NVTX start/end ranges (process-wide, not
+nested); nested step phases use push/pop. The message is the stage or phase name and the payload
+the request number (`request_num`) or step id.
+
+With no NVTX tool attached (Nsight Systems, this CPU-only machine), ``nvtx.get_domain`` returns a
+dummy domain whose calls are no-ops, so the calls cost a few tens of ns and are always made.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+NVTX_DOMAIN = "kvscope"
+
+
+class NvtxAnnotator:
+    """Cached NVTX event attributes per name; one domain for all of kvscope.
+
+    Args:
+        names: the range names to pre-register (stage and phase names).
+        force_real: use the real `nvtx.Domain` even when no tool is attached (tests exercise the
+            CUDA-profiler code path this way: without a tool the C calls are no-ops).
+    """
+
+    def __init__(self, names: tuple[str, ...], *, force_real: bool = False) -> None:
+        self.available = False
+        self.real = False
+        self._attrs: dict[str, Any] = {}
+        self._domain: Any = None
+        try:
+            import nvtx
+            from nvtx._lib import Domain as _RealDomain
+            from nvtx._lib.lib import DomainHandle
+
+            if force_real:
+                # What `Domain.__new__` does when a tool is attached, minus the enabled check.
+                dom = object.__new__(_RealDomain)
+                dom.handle = DomainHandle(NVTX_DOMAIN)
+                dom.__init__(NVTX_DOMAIN)
+            else:
+                dom = nvtx.get_domain(NVTX_DOMAIN)
+            self.real = isinstance(dom, _RealDomain)
+            self._domain = dom
+            for n in names:
+                self._attrs[n] = dom.get_event_attributes(message=n)
+            self.available = True
+        except Exception as exc:  # nvtx missing or broken: annotate nothing, never fail
+            log.info("NVTX annotations disabled: %s", exc)
+
+    @property
+    def domain(self) -> Any:
+        """The nvtx domain (a no-op dummy when no tool is attached)."""
+        return self._domain
+
+    def attributes(self, name: str) -> Any:
+        attrs = self._attrs.get(name)
+        if attrs is None and self._domain is not None:
+            attrs = self._attrs[name] = self._domain.get_event_attributes(message=name)
+        return attrs
+
+    def start(self, name: str, payload: int) -> int:
+        """Start a process-wide range; returns its id for `end`."""
+        dom = self._domain
+        if dom is None:
+            return 0
+        if self.real:
+            return dom.start_range(self.attributes(name), payload=payload)
+        return dom.start_range(None)
+
+    def end(self, range_id: int) -> None:
+        dom = self._domain
+        if dom is not None and range_id:
+            dom.end_range(range_id)
+
+    def push(self, name: str, payload: int) -> None:
+        dom = self._domain
+        if dom is None:
+            return
+        if self.real:
+            dom.push_range(self.attributes(name), payload=payload)
+        else:
+            dom.push_range(None)
+
+    def pop(self) -> None:
+        dom = self._domain
+        if dom is not None:
+            dom.pop_range()
+
+
+class TorchProfilerAnnotator:
+    """``record_function("kvscope.<name>")`` ranges, active only under `kvscope run --profile`.
+
+    Uses the profiler's enter/exit ops so a range can start in one call and end in another
+    (request stages are not lexically nested).
+    """
+
+    def __init__(self) -> None:
+        import torch  # only imported when profiling was asked for
+
+        self._enter = torch.ops.profiler._record_function_enter_new
+        self._exit = torch.ops.profiler._record_function_exit
+        self._open: dict[int, Any] = {}
+        self._next = 1
+
+    def start(self, name: str, payload: int) -> int:
+        handle = self._enter(f"kvscope.{name}", str(payload))
+        rid = self._next
+        self._next += 1
+        self._open[rid] = handle
+        return rid
+
+    def end(self, range_id: int) -> None:
+        handle = self._open.pop(range_id, None)
+        if handle is not None:
+            self._exit(handle)

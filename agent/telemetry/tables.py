@@ -1,0 +1,156 @@
+"""Drained recorder segments → Arrow tables of the run-store schemas (epoch ns).
+
+Integer columns are handed over zero-copy where they need no conversion; small integer codes
+become strings through their vocabulary (dictionary decode in C++).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from agent.schema import (
+    CLOCKS,
+    EVENTS_SCHEMA,
+    LAYERS_SCHEMA,
+    REQUESTS_SCHEMA,
+    SAMPLES_SCHEMA,
+    SPANS_SCHEMA,
+    STATES,
+    TIERS,
+)
+from agent.telemetry.buffers import Chunk, chunk_waits, coded_strings, concat_column, int_array
+
+LAYER_COLS = ("request_num", "layer", "hit_tokens", "loaded_tokens", "recomputed_tokens",
+              "prompt_tokens", "load_ns", "wait_ns")
+
+
+def request_ids(nums: np.ndarray, ids: dict[int, str]) -> pa.Array:
+    uniq, inverse = np.unique(nums, return_inverse=True)
+    vocab = [ids.get(int(u)) if u >= 0 else None for u in uniq]
+    return pa.array(vocab, type=pa.string()).take(pa.array(inverse.astype(np.int64)))
+
+
+def state_table(segs: list[Chunk], ids: dict[int, str], off: int) -> pa.Table:
+    rn = concat_column(segs, 0)
+    n = len(rn)
+    waits = chunk_waits(segs)
+    cols = {
+        "request_id": request_ids(rn, ids),
+        "request_num": pa.array(rn),
+        "kind": pa.repeat(pa.scalar("state"), n),
+        "name": coded_strings(concat_column(segs, 1), list(STATES)),
+        "start_ns": pa.array(concat_column(segs, 2) + off),
+        "end_ns": pa.array(concat_column(segs, 3) + off),
+        "tier": pa.nulls(n, pa.string()),
+        "layer": pa.nulls(n, pa.int32()),
+        "tokens": pa.nulls(n, pa.int64()),
+        "bytes": pa.nulls(n, pa.int64()),
+        "step_id": pa.nulls(n, pa.int64()),
+        "transfer_id": pa.nulls(n, pa.int64()),
+        "waits_on": pa.nulls(n, pa.list_(pa.int64())) if waits is None
+        else pa.array(waits, pa.list_(pa.int64())),
+        "clock": pa.repeat(pa.scalar(CLOCKS[0]), n),
+        "batch_requests": pa.nulls(n, pa.int32()),
+    }
+    return pa.table(cols, schema=SPANS_SCHEMA)
+
+
+def activity_table(segs: list[Chunk], ids: dict[int, str], names: list[str],
+                    off: int) -> pa.Table:
+    rn = concat_column(segs, 0)
+    n = len(rn)
+    cols = {
+        "request_id": request_ids(rn, ids),
+        "request_num": int_array(rn, 0),
+        "kind": pa.repeat(pa.scalar("activity"), n),
+        "name": coded_strings(concat_column(segs, 1), names),
+        "start_ns": pa.array(concat_column(segs, 2) + off),
+        "end_ns": pa.array(concat_column(segs, 3) + off),
+        "tier": coded_strings(concat_column(segs, 4), list(TIERS)),
+        "layer": int_array(concat_column(segs, 5), 0, pa.int32()),
+        "tokens": int_array(concat_column(segs, 6), 0),
+        "bytes": int_array(concat_column(segs, 7), 0),
+        "step_id": pa.nulls(n, pa.int64()),
+        "transfer_id": int_array(concat_column(segs, 8), 0),
+        "waits_on": pa.nulls(n, pa.list_(pa.int64())),
+        "clock": coded_strings(concat_column(segs, 9), list(CLOCKS)),
+        "batch_requests": pa.nulls(n, pa.int32()),
+    }
+    return pa.table(cols, schema=SPANS_SCHEMA)
+
+
+def step_table(segs: list[Chunk], names: list[str], off: int) -> pa.Table:
+    step = concat_column(segs, 0)
+    n = len(step)
+    cols = {
+        "request_id": pa.nulls(n, pa.string()),
+        "request_num": pa.nulls(n, pa.int64()),
+        "kind": pa.repeat(pa.scalar("step"), n),
+        "name": coded_strings(concat_column(segs, 1), names),
+        "start_ns": pa.array(concat_column(segs, 2) + off),
+        "end_ns": pa.array(concat_column(segs, 3) + off),
+        "tier": pa.nulls(n, pa.string()),
+        "layer": pa.nulls(n, pa.int32()),
+        "tokens": int_array(concat_column(segs, 5), 0),
+        "bytes": pa.nulls(n, pa.int64()),
+        "step_id": pa.array(step),
+        "transfer_id": pa.nulls(n, pa.int64()),
+        "waits_on": pa.nulls(n, pa.list_(pa.int64())),
+        "clock": coded_strings(concat_column(segs, 6), list(CLOCKS)),
+        "batch_requests": int_array(concat_column(segs, 4), 0, pa.int32()),
+    }
+    return pa.table(cols, schema=SPANS_SCHEMA)
+
+
+def layers_table(segs: list[Chunk], ids: dict[int, str]) -> pa.Table:
+    rn = concat_column(segs, 0)
+    cols: dict[str, pa.Array] = {"request_id": request_ids(rn, ids)}
+    cols["layer"] = pa.array(concat_column(segs, 1).astype(np.int32))
+    for j, name in enumerate(LAYER_COLS[2:], start=2):
+        cols[name] = pa.array(concat_column(segs, j))
+    return pa.table(cols, schema=LAYERS_SCHEMA)
+
+
+def requests_table(rows: list[tuple[Any, ...]], off: int) -> pa.Table:
+    cols = list(zip(*rows, strict=True))
+    data: dict[str, Any] = {}
+    for i, f in enumerate(REQUESTS_SCHEMA):
+        v = list(cols[i])
+        if f.name in ("arrival_ns", "first_token_ns", "finish_ns"):
+            v = [None if x is None else x + off for x in v]
+        data[f.name] = pa.array(v, f.type)
+    return pa.table(data, schema=REQUESTS_SCHEMA)
+
+
+def samples_table(rows: list[tuple[Any, ...]], off: int) -> pa.Table:
+    ts, source, entity, metric, value, unit = zip(*rows, strict=True)
+    return pa.table(
+        {
+            "ts_ns": pa.array(np.asarray(ts, dtype=np.int64) + off),
+            "source": pa.array(source, pa.string()),
+            "entity": pa.array(entity, pa.string()),
+            "metric": pa.array(metric, pa.string()),
+            "value": pa.array(value, pa.float64()),
+            "unit": pa.array(unit, pa.string()),
+        },
+        schema=SAMPLES_SCHEMA,
+    )
+
+
+def events_table(rows: list[tuple[Any, ...]], ids: dict[int, str], off: int) -> pa.Table:
+    ts, source, name, rn, detail = zip(*rows, strict=True)
+    return pa.table(
+        {
+            "ts_ns": pa.array(np.asarray(ts, dtype=np.int64) + off),
+            "source": pa.array(source, pa.string()),
+            "name": pa.array(name, pa.string()),
+            "request_id": pa.array([ids.get(r) if r >= 0 else None for r in rn], pa.string()),
+            "detail": pa.array([None if d is None else json.dumps(d, default=str)
+                                for d in detail], pa.string()),
+        },
+        schema=EVENTS_SCHEMA,
+    )

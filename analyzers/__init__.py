@@ -1,0 +1,1 @@
+"""Pure pandas analyses over run-store frames: TTFT partition, token accounting, comparison."""

@@ -1,0 +1,1 @@
+"""Hardware context beside the engine's telemetry: NVML, NIC, RDMA and host collectors."""

@@ -1,0 +1,1 @@
+"""Streamlit + Plotly pages over the analyzers; alert rules and Grafana dashboards."""
