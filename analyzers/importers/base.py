@@ -1,0 +1,340 @@
+"""What every importer returns (`ImportedRun`) and the helpers they share.
+
+An importer turns another tool's output into the run-store frames (`requests`, `spans`; schemas in
+agent/schema.py) and says, in plain sentences, what it could and could not derive from it. Nothing
+here guesses: a quantity the source does not carry stays null (pandas `<NA>`) and is listed in
+`cannot`.
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import json
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+
+from agent.errors import InputError
+from agent.runstore.reader import to_pandas
+from agent.schema import (
+    REQUESTS_SCHEMA,
+    SPANS_SCHEMA,
+    STAGE_PRIORITY,
+    TTFT_STAGES,
+)
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+try:  # orjson parses Kineto traces ~3x faster than json; it is optional
+    import orjson as _orjson
+except ImportError:  # pragma: no cover - depends on the environment
+    _orjson = None
+
+GZIP_MAGIC = b"\x1f\x8b"
+
+
+@dataclass
+class ImportedRun:
+    """Another tool's output mapped onto kvscope's frames.
+
+    Attributes:
+        source: which format and flavour was read, e.g. ``vllm-prometheus-v1``, ``kineto``.
+        path: the file read.
+        requests: one row per request, REQUESTS_SCHEMA columns. Integer columns are pandas
+            ``Int64``; accounting columns the source does not carry are ``<NA>`` (unknown), not 0.
+        spans: SPANS_SCHEMA columns. State spans of a request partition its TTFT exactly; the
+            part no source field explains is an explicit ``other`` span.
+        distributions: aggregate-only sources (Prometheus): one row per histogram series with
+            ``metric, labels, stage, unit, count, sum, sum_s, mean, p50, p90, p99, buckets,
+            complete, note``; None for per-request sources.
+        ratios: each ``{name, numerator, denominator, denominator_unit, source_metric, value,
+            note}``, labelled with the *source's* denominator (None when the source only has a
+            precomputed ratio).
+        summary: source-specific totals (kernel counts and time, copies by direction, gauges).
+        derived / can / cannot: human-readable sentences on what was derived (and how), what
+            the import supports and what it cannot tell.
+        partition_derived: True when state spans were reconstructed (a sweep line over
+            overlapping ranges, or durations laid end to end) rather than recorded as a partition.
+    """
+
+    source: str
+    path: Path
+    requests: pd.DataFrame
+    spans: pd.DataFrame
+    distributions: pd.DataFrame | None = None
+    ratios: list[dict[str, Any]] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)
+    derived: list[str] = field(default_factory=list)
+    can: list[str] = field(default_factory=list)
+    cannot: list[str] = field(default_factory=list)
+    partition_derived: bool = False
+
+    @classmethod
+    def empty(cls, source: str, path: Path) -> ImportedRun:
+        """A run with empty requests and spans frames (importers fill them in)."""
+        return cls(source=source, path=path, requests=_empty("requests").copy(),
+                   spans=_empty("spans").copy())
+
+    def to_dict(self) -> dict[str, Any]:
+        """What `kvscope analyze --json` can print: everything but the per-row frames.
+
+        Returns:
+            A JSON-serialisable dict (NaN and <NA> become None).
+        """
+        dist = None
+        if self.distributions is not None:
+            d = self.distributions.astype(object)
+            dist = d.where(d.notna(), None).to_dict(orient="records")
+        return {
+            "source": self.source, "path": str(self.path), "requests": len(self.requests),
+            "spans": len(self.spans), "partition_derived": self.partition_derived,
+            "derived": list(self.derived), "can": list(self.can), "cannot": list(self.cannot),
+            "ratios": [dict(r) for r in self.ratios], "summary": self.summary,
+            "distributions": dist,
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# Reading files
+# --------------------------------------------------------------------------------------------
+
+
+def read_bytes(path: Path) -> bytes:
+    """The file's bytes, gunzipped when it is gzip. Truncated or corrupt gzip → InputError."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise InputError(f"{path}: is a directory, not a file to import") from None
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if data[:2] == GZIP_MAGIC:
+        try:
+            data = gzip.decompress(data)
+        except EOFError:
+            raise InputError(f"{path}: truncated gzip (stream ends early)") from None
+        except (OSError, zlib.error) as exc:
+            raise InputError(f"{path}: corrupt gzip ({exc})") from None
+    return data
+
+
+def parse_json(data: bytes, path: Path) -> Any:
+    """Parse JSON bytes (orjson when installed). Cut or invalid JSON → InputError."""
+    try:
+        if _orjson is not None:
+            return _orjson.loads(data)
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        # orjson.JSONDecodeError and json.JSONDecodeError are both ValueErrors
+        what = "truncated JSON" if _looks_cut(data) else "invalid JSON"
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise InputError(f"{path}: {what} ({msg})") from None
+
+
+def _looks_cut(data: bytes) -> bool:
+    tail = data.rstrip()[-1:]
+    return tail not in (b"}", b"]")
+
+
+# --------------------------------------------------------------------------------------------
+# Building frames
+# --------------------------------------------------------------------------------------------
+
+
+def requests_frame(cols: dict[str, Any], n: int) -> pd.DataFrame:
+    """A requests DataFrame with every REQUESTS_SCHEMA column.
+
+    Args:
+        cols: column name → sequence of length `n`; absent columns are null (accounting columns
+            too: an importer that does not know a count leaves it unknown).
+        n: number of rows.
+    Returns:
+        The frame, integer columns as ``Int64``.
+    """
+    import pandas as pd
+
+    arrays = []
+    fields = []
+    for f in REQUESTS_SCHEMA:
+        arrays.append(_array(cols.get(f.name), f.type, n))
+        # Accounting columns are non-null in the run store; imports may not know them.
+        fields.append(pa.field(f.name, f.type, nullable=True))
+    table = pa.Table.from_arrays(arrays, schema=pa.schema(fields))
+    df = table.to_pandas(types_mapper={pa.int64(): pd.Int64Dtype()}.get)
+    return df
+
+
+def spans_frame(cols: dict[str, Any], n: int) -> pd.DataFrame:
+    """A spans DataFrame with every SPANS_SCHEMA column (absent columns null).
+
+    Args:
+        cols: column name → sequence of length `n`.
+        n: number of rows.
+    Returns:
+        The frame, nullable integer columns as ``Int64``/``Int32``.
+    """
+    arrays = [_array(cols.get(f.name), f.type, n) for f in SPANS_SCHEMA]
+    return to_pandas(pa.Table.from_arrays(arrays, schema=SPANS_SCHEMA), SPANS_SCHEMA)
+
+
+@functools.cache
+def _empty(table: str) -> pd.DataFrame:
+    return requests_frame({}, 0) if table == "requests" else spans_frame({}, 0)
+
+
+def concat_spans(frames: list[pd.DataFrame]) -> pd.DataFrame:
+    """Concatenate span frames, keeping the schema (an empty list gives an empty frame)."""
+    import pandas as pd
+
+    frames = [f for f in frames if len(f)]
+    if not frames:
+        return _empty("spans").copy()
+    return pd.concat(frames, ignore_index=True)
+
+
+def _array(values: Any, typ: pa.DataType, n: int) -> pa.Array:
+    if values is None:
+        return pa.nulls(n, type=typ)
+    if isinstance(values, pa.Array | pa.ChunkedArray):
+        return values.cast(typ)
+    if isinstance(values, np.ndarray) and values.dtype.kind in "iuf" and pa.types.is_integer(typ):
+        return pa.array(values.astype(np.int64, copy=False)).cast(typ)
+    return pa.array(values, type=typ, from_pandas=True)
+
+
+# --------------------------------------------------------------------------------------------
+# The partition of TTFT from overlapping ranges
+# --------------------------------------------------------------------------------------------
+
+#: rank in the sweep-line priority (0 = wins) for each TTFT stage
+_RANK = {s: i for i, s in enumerate(STAGE_PRIORITY)}
+
+
+@dataclass(slots=True)
+class Partition:
+    """State spans that partition each request's [arrival, first_token] exactly."""
+
+    req: np.ndarray  # request index per span
+    stage: np.ndarray  # stage name per span (object array)
+    start_ns: np.ndarray
+    end_ns: np.ndarray
+    overlap_ns: int  # time where more than one stage range was open (resolved by priority)
+    other_ns: int  # time no range covered (reported as `other`)
+
+
+def sweep_partition(
+    req: np.ndarray,
+    stage: np.ndarray,
+    start_ns: np.ndarray,
+    end_ns: np.ndarray,
+    arrival_ns: np.ndarray,
+    first_ns: np.ndarray,
+) -> Partition:
+    """Partition each request's TTFT from possibly overlapping, possibly gappy stage ranges.
+
+    Where ranges overlap the stage earliest in STAGE_PRIORITY wins (DESIGN.md §2); time no range
+    covers becomes `other`. Vectorised over all requests at once.
+
+    Args:
+        req: request index of each range (into `arrival_ns`/`first_ns`).
+        stage: TTFT stage name of each range.
+        start_ns, end_ns: the ranges (clipped to the request's window here).
+        arrival_ns, first_ns: each request's window; requests with first <= arrival get no spans.
+    Returns:
+        The partition, sorted by request then time.
+    """
+    req = np.asarray(req, dtype=np.int64)
+    n_req = len(arrival_ns)
+    arrival_ns = np.asarray(arrival_ns, dtype=np.int64)
+    first_ns = np.asarray(first_ns, dtype=np.int64)
+    ttft = first_ns - arrival_ns
+    live = ttft > 0
+    s = np.clip(np.asarray(start_ns, dtype=np.int64), arrival_ns[req], first_ns[req])
+    e = np.clip(np.asarray(end_ns, dtype=np.int64), arrival_ns[req], first_ns[req])
+    keep = (e > s) & live[req]
+    req, s, e = req[keep], s[keep], e[keep]
+    rank = np.array([_RANK[x] for x in np.asarray(stage, dtype=object)[keep]], dtype=np.int64)
+
+    # Times relative to each request's arrival, offset by request so one sorted key orders
+    # (request, time) for every request at once.
+    width = int(ttft[live].max()) + 1 if live.any() else 1
+    if width * max(n_req, 1) >= 2**62:
+        raise ValueError("sweep_partition: time range too wide to vectorise")
+    base = np.arange(n_req, dtype=np.int64) * width
+    live_idx = np.flatnonzero(live)
+    ks, ke = base[req] + (s - arrival_ns[req]), base[req] + (e - arrival_ns[req])
+    bounds = np.unique(np.concatenate([ks, ke, base[live_idx], base[live_idx] + ttft[live_idx]]))
+    # Elementary intervals [bounds[i], bounds[i+1]) that lie inside one request's window.
+    lo, hi = bounds[:-1], bounds[1:]
+    ireq = lo // width
+    inside = (ireq == (hi - 1) // width) & ((lo - ireq * width) < ttft[np.minimum(ireq, n_req - 1)])
+    si, ei = np.searchsorted(bounds, ks), np.searchsorted(bounds, ke)
+    n_lvl = len(STAGE_PRIORITY)
+    cover = np.zeros((n_lvl, len(bounds)), dtype=np.int64)
+    np.add.at(cover, (rank, si), 1)
+    np.add.at(cover, (rank, ei), -1)
+    cover = np.cumsum(cover, axis=1)[:, :-1]
+    active = cover > 0
+    # argmax picks the first (highest-priority) open stage; no open stage → `other`.
+    any_open = active.any(axis=0)
+    chosen = np.where(any_open, active.argmax(axis=0), _RANK["other"])
+    dur = hi - lo
+    overlap_ns = int(dur[inside & (active.sum(axis=0) > 1)].sum())
+    other_ns = int(dur[inside & ~any_open].sum())
+
+    lo, hi, ireq, chosen = lo[inside], hi[inside], ireq[inside], chosen[inside]
+    # Merge runs of the same stage inside one request.
+    new = np.ones(len(lo), dtype=bool)
+    new[1:] = (ireq[1:] != ireq[:-1]) | (chosen[1:] != chosen[:-1]) | (lo[1:] != hi[:-1])
+    starts = np.flatnonzero(new)
+    ends = np.r_[starts[1:], len(lo)] - 1
+    out_req = ireq[starts]
+    names = np.asarray(STAGE_PRIORITY, dtype=object)[chosen[starts]]
+    return Partition(
+        req=out_req,
+        stage=names,
+        start_ns=lo[starts] - out_req * width + arrival_ns[out_req],
+        end_ns=hi[ends] - out_req * width + arrival_ns[out_req],
+        overlap_ns=overlap_ns,
+        other_ns=other_ns,
+    )
+
+
+def ttft_window(req: np.ndarray, stage: np.ndarray, start_ns: np.ndarray, end_ns: np.ndarray,
+                n_req: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each request's [arrival, first_token] as the hull of its TTFT-stage ranges.
+
+    Args:
+        req, stage, start_ns, end_ns: the ranges.
+        n_req: number of requests.
+    Returns:
+        (arrival_ns, first_ns); a request with no TTFT range gets arrival = first = 0.
+    """
+    is_ttft = np.isin(np.asarray(stage, dtype=object), np.asarray(TTFT_STAGES, dtype=object))
+    arrival = np.full(n_req, np.iinfo(np.int64).max, dtype=np.int64)
+    first = np.full(n_req, np.iinfo(np.int64).min, dtype=np.int64)
+    np.minimum.at(arrival, req[is_ttft], start_ns[is_ttft])
+    np.maximum.at(first, req[is_ttft], end_ns[is_ttft])
+    none = first < arrival
+    arrival[none] = 0
+    first[none] = 0
+    return arrival, first
+
+
+def us_to_ns(us: np.ndarray) -> np.ndarray:
+    """Microseconds (float, ns precision) → int64 ns without float rounding at epoch scale.
+
+    `ts * 1000` in float64 loses ~256 ns at epoch magnitudes; splitting whole and fractional
+    microseconds keeps the nanoseconds the trace wrote.
+    """
+    us = np.asarray(us, dtype=np.float64)
+    whole = np.floor(us)
+    frac = np.rint((us - whole) * 1000.0).astype(np.int64)
+    return whole.astype(np.int64) * 1000 + frac
