@@ -234,7 +234,8 @@ class MetricSpec:
     def series_names(self) -> tuple[str, ...]:
         """Every series name this metric exposes (what a PromQL query may reference)."""
         if self.type == "histogram":
-            return (f"{self.name}_bucket", f"{self.name}_sum", f"{self.name}_count")
+            return (f"{self.name}_bucket", f"{self.name}_sum", f"{self.name}_count",
+                    f"{self.name}_created")
         if self.type == "counter":
             return (self.name, f"{self.family}_created")
         return (self.name,)

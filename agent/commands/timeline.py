@@ -1,0 +1,33 @@
+"""`kvscope timeline RUN --out trace.json`: a run as a Chrome/Perfetto trace."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def timeline(
+    run: Path = typer.Argument(..., help="A kvscope run directory."),
+    out: Path = typer.Option(..., "--out", "-o",
+                             help="Trace file to write (.json, or .json.gz to compress)."),
+    window: str | None = typer.Option(
+        None, "--window",
+        help="Keep only START:END seconds since the run's start (either side may be empty)."),
+    merge: list[Path] | None = typer.Option(
+        None, "--merge",
+        help="A Kineto (PyTorch profiler) trace, .json or .json.gz, to place on the same "
+             "clock; repeatable."),
+) -> None:
+    """Write a Chrome/Perfetto trace: a track per request with its stages, step phases,
+    transfers, flows to the requests that waited on them, and collector counters.
+
+    Open it in https://ui.perfetto.dev or chrome://tracing.
+    """
+    from dashboard.timeline import Window, write_trace
+
+    win = Window.parse(window) if window is not None else None
+    counts = write_trace(run, out, window=win, merge=merge or ())
+    total = sum(counts.values())
+    detail = ", ".join(f"{ph}={n}" for ph, n in sorted(counts.items()))
+    typer.echo(f"wrote {out}: {total} events ({detail})")
