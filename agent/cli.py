@@ -67,22 +67,51 @@ USER_ERRORS = (
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the console script. User errors → one line on stderr, exit 2."""
+    """Entry point of the console script. User errors → one line on stderr, exit 2.
+
+    Args:
+        argv: the arguments (default: sys.argv[1:]).
+
+    Returns:
+        The exit status.
+    """
+    return invoke(app, argv)
+
+
+def invoke(cli: typer.Typer, argv: list[str] | None = None) -> int:
+    """Run `cli` with kvscope's error contract (tests pass their own app here).
+
+    Args:
+        cli: the typer app.
+        argv: the arguments (default: sys.argv[1:]).
+
+    Returns:
+        0 on success, 2 for a user error (one `kvscope: error: ...` line on stderr, no
+        traceback), click's status for usage errors and `--help`, 130 on Ctrl-C.
+    """
     try:
-        app(args=argv, prog_name="kvscope", standalone_mode=True)
+        cli(args=argv, prog_name="kvscope", standalone_mode=True)
     except SystemExit as exc:  # typer/click exit paths (help, usage errors, typer.Exit)
         code = exc.code
         return code if isinstance(code, int) else (0 if code is None else 1)
     except USER_ERRORS as exc:
-        msg = str(exc) or exc.__class__.__name__
-        if isinstance(exc, OSError) and exc.filename and str(exc.filename) not in msg:
-            msg = f"{exc.filename}: {msg}"
-        print(f"kvscope: error: {msg}", file=sys.stderr)
+        print(f"kvscope: error: {user_message(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("kvscope: interrupted", file=sys.stderr)
         return 130
     return 0
+
+
+def user_message(exc: BaseException) -> str:
+    """The one-line message for a user error (naming the file of an OSError)."""
+    msg = str(exc) or exc.__class__.__name__
+    if isinstance(exc, OSError):
+        msg = exc.strerror or msg
+        if exc.filename and str(exc.filename) not in msg:
+            msg = f"{exc.filename}: {msg}"
+    # One line, whatever the message holds (pyarrow and OS messages can span several).
+    return " ".join(msg.split())
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ NTP slews the wall clock mid-run.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -43,11 +44,16 @@ class ClockAnchor:
 
 
 _PROCESS_ANCHOR: ClockAnchor | None = None
+_ANCHOR_LOCK = threading.Lock()
 
 
 def process_anchor() -> ClockAnchor:
     """The anchor of this process, taken on first use and then fixed."""
     global _PROCESS_ANCHOR
     if _PROCESS_ANCHOR is None:
-        _PROCESS_ANCHOR = ClockAnchor.take()
+        # Two threads racing on first use would otherwise each take (and hand out) their own
+        # anchor, putting their times on clocks a few µs apart.
+        with _ANCHOR_LOCK:
+            if _PROCESS_ANCHOR is None:
+                _PROCESS_ANCHOR = ClockAnchor.take()
     return _PROCESS_ANCHOR

@@ -57,6 +57,11 @@ EVENT_NAMES: tuple[str, ...] = (
     "gpu_lost",
     "xid",
     "gap",
+    "gpu_info",
+    "interface_vanished",
+    "rdma_port_vanished",
+    "process_exited",
+    "collector_unavailable",
 )
 
 # --------------------------------------------------------------------------------------------

@@ -71,14 +71,18 @@ class RunStore:
 
 
 def to_pandas(table: pa.Table, schema: pa.Schema) -> pd.DataFrame:
+    """`table` as a DataFrame: nullable integer columns as pandas `Int64`/`Int32` (a float64
+    would round epoch ns), non-nullable ones as plain numpy integers."""
     import pandas as pd
 
-    df = table.to_pandas()
-    for f in schema:
-        if f.nullable and pa.types.is_integer(f.type):
-            dtype = pd.Int32Dtype() if f.type == pa.int32() else pd.Int64Dtype()
-            df[f.name] = table[f.name].to_pandas(types_mapper={f.type: dtype}.get)
-    return df
+    nullable_ints = [f.name for f in schema if f.nullable and pa.types.is_integer(f.type)]
+    # Convert the nullable integer columns once, with their own mapper (converting them with
+    # the rest first would go through float64 and lose the exact values).
+    df = table.drop_columns(nullable_ints).to_pandas()
+    mapper = {pa.int64(): pd.Int64Dtype(), pa.int32(): pd.Int32Dtype()}.get
+    for name in nullable_ints:
+        df[name] = table[name].to_pandas(types_mapper=mapper)
+    return df[list(schema.names)]
 
 
 def read_meta(path: Path) -> dict[str, Any]:
@@ -93,13 +97,15 @@ def read_meta(path: Path) -> dict[str, Any]:
         meta = json.loads(meta_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InputError(f"{meta_path}: not valid JSON ({exc})") from None
+    except OSError as exc:  # a directory named run.json, no permission, ...
+        raise InputError(f"{meta_path}: cannot read ({exc.strerror or exc})") from None
     if not isinstance(meta, dict):
         raise InputError(f"{meta_path}: expected a JSON object")
     missing = [k for k in RUN_JSON_KEYS if k not in meta]
     if missing:
         raise InputError(f"{meta_path}: missing key(s) {', '.join(missing)}")
     version = meta["schema_version"]
-    if not isinstance(version, int):
+    if not isinstance(version, int) or isinstance(version, bool):
         raise InputError(f"{meta_path}: schema_version must be an integer, got {version!r}")
     if version > SCHEMA_VERSION:
         raise SchemaVersionError(
@@ -109,23 +115,53 @@ def read_meta(path: Path) -> dict[str, Any]:
     return meta
 
 
+def _kind(t: pa.DataType) -> str:
+    """The family a column type belongs to; only casts within a family are accepted."""
+    if pa.types.is_dictionary(t):
+        return _kind(t.value_type)
+    if pa.types.is_integer(t):
+        return "int"
+    if pa.types.is_floating(t):
+        return "float"
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return "string"
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return f"list<{_kind(t.value_type)}>"
+    return str(t)
+
+
+#: Source families a target family accepts (widening only: ints may become floats).
+_ACCEPTS = {"float": ("float", "int")}
+
+
 def _conform(tbl: pa.Table, schema: pa.Schema, where: Path) -> pa.Table:
+    """`tbl` in exactly `schema`, or InputError naming `where` and the column at fault.
+
+    Other Arrow writers (DuckDB, Spark) may store a column as int32, large_string or a
+    dictionary: those are cast (a value that does not fit is an error). A column of another
+    family (a string where an integer is expected, a float for an integer) is rejected rather
+    than reinterpreted.
+    """
     missing = [f.name for f in schema if f.name not in tbl.column_names]
     if missing:
         raise InputError(f"{where}: missing column(s) {', '.join(missing)}")
     tbl = tbl.select(schema.names)
-    if tbl.schema.equals(schema):
-        return tbl
     cols = []
     for f in schema:
         col = tbl[f.name]
         if col.type != f.type:
-            try:
-                col = col.cast(f.type)
-            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            want = _kind(f.type)
+            if _kind(col.type) not in _ACCEPTS.get(want, (want,)):
                 raise InputError(
                     f"{where}: column {f.name!r} has type {col.type}, expected {f.type}"
+                )
+            try:
+                col = col.cast(f.type)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+                raise InputError(
+                    f"{where}: column {f.name!r} of type {col.type} does not fit {f.type} ({exc})"
                 ) from None
+        # Checked even when the schema matches: Parquet does not guarantee it for us.
         if not f.nullable and col.null_count:
             raise InputError(f"{where}: column {f.name!r} has {col.null_count} null value(s)")
         cols.append(col)
@@ -142,7 +178,9 @@ def read_table(path: Path, name: str, gaps: list[str]) -> tuple[pa.Table, list[i
     if seqs:
         expected = set(range(seqs[0], seqs[-1] + 1))
         missing = sorted(expected - set(seqs))
-        if seqs[0] > 0:
+        if seqs[0] == 1:
+            gaps.append(f"{name}: part 00000 missing (rotated or deleted)")
+        elif seqs[0] > 1:
             gaps.append(f"{name}: parts 00000-{seqs[0] - 1:05d} missing (rotated or deleted)")
         if missing:
             gaps.append(f"{name}: part(s) {', '.join(f'{m:05d}' for m in missing)} missing")
@@ -150,7 +188,7 @@ def read_table(path: Path, name: str, gaps: list[str]) -> tuple[pa.Table, list[i
     for _, p in parts:
         try:
             t = pq.read_table(p)
-        except (pa.ArrowInvalid, OSError) as exc:
+        except (pa.ArrowException, OSError) as exc:
             raise InputError(f"{p}: unreadable Parquet part ({exc})") from None
         tables.append(_conform(t, schema, p))
     if not tables:
@@ -165,6 +203,11 @@ def open_run(path: str | os.PathLike[str], tables: tuple[str, ...] | None = None
         path: the run directory.
         tables: which tables to read (default all); the others are empty.
     """
+    if tables is not None:
+        unknown = [t for t in tables if t not in TABLES]
+        if unknown:
+            raise ValueError(f"unknown run-store table(s) {unknown}; expected some of "
+                             f"{list(TABLES)}")
     p = Path(path)
     meta = read_meta(p)
     gaps: list[str] = []

@@ -50,6 +50,37 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
+_TMP_RE = re.compile(r"^\.part-\d{5,}\.parquet\.(\d+)\.tmp$")
+
+
+def _remove_stale_temporaries(d: Path) -> None:
+    """Delete the hidden half-written parts of writers that died (a crash, SIGKILL).
+
+    Readers ignore them anyway; this only reclaims their space. A temporary whose writer
+    process is still alive is left alone.
+    """
+    for p in d.iterdir():
+        m = _TMP_RE.match(p.name)
+        if m is None or _pid_alive(int(m.group(1))):
+            continue
+        try:
+            p.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    return True
+
+
 def host_info() -> dict[str, Any]:
     return {
         "hostname": socket.gethostname(),
@@ -57,6 +88,30 @@ def host_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
     }
+
+
+def conform_for_write(table: str, data: pa.Table) -> pa.Table:
+    """`data` in the exact schema of `table`, or ValueError naming the table and column.
+
+    Checked here so that the writer never publishes a part its reader would reject (a null in a
+    non-nullable column would make the whole run unreadable).
+    """
+    schema = TABLES[table]
+    if data.schema == schema and not any(data[f.name].null_count for f in schema
+                                         if not f.nullable):
+        return data
+    missing = [f.name for f in schema if f.name not in data.column_names]
+    if missing:
+        raise ValueError(f"{table}: missing column(s) {', '.join(missing)}")
+    data = data.select(schema.names)
+    for f in schema:
+        if not f.nullable and data[f.name].null_count:
+            raise ValueError(f"{table}: column {f.name!r} has {data[f.name].null_count} null "
+                             "value(s) but is not nullable")
+    try:
+        return data.cast(schema)
+    except (ValueError, pa.ArrowException) as exc:
+        raise ValueError(f"{table}: does not fit the run-store schema ({exc})") from None
 
 
 class RunStoreWriter:
@@ -98,6 +153,7 @@ class RunStoreWriter:
         for table in TABLES:
             d = self.path / table
             if d.is_dir():
+                _remove_stale_temporaries(d)
                 seqs = [int(m.group(1)) for p in d.iterdir() if (m := PART_RE.match(p.name))]
                 self._seq[table] = max(seqs) + 1 if seqs else 0
             else:
@@ -128,23 +184,26 @@ class RunStoreWriter:
 
         The part is written to a hidden temporary name, fsynced, then renamed into place.
         """
-        schema = TABLES.get(table)
-        if schema is None:
+        if table not in TABLES:
             raise ValueError(f"unknown run-store table {table!r}; expected one of {list(TABLES)}")
         if data.num_rows == 0:
             return None
-        if data.schema != schema:
-            data = data.select(schema.names).cast(schema)
+        data = conform_for_write(table, data)
         d = self.path / table
         d.mkdir(exist_ok=True)
         seq = self._seq[table]
         final = d / part_name(seq)
         tmp = d / f".{final.name}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as fh:
-            pq.write_table(data, fh, compression=self.compression)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, final)
+        try:
+            with open(tmp, "wb") as fh:
+                pq.write_table(data, fh, compression=self.compression)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, final)
+        except BaseException:
+            # A failed write (disk full, ...) must not leave its hidden temporary behind.
+            tmp.unlink(missing_ok=True)
+            raise
         _fsync_dir(d)
         self._seq[table] = seq + 1
         self._rows[table] += data.num_rows
@@ -167,29 +226,48 @@ class RunStoreWriter:
         self._write_meta()
         self.closed = True
 
+    def _parts(self, tables: tuple[str, ...]) -> list[tuple[int, int, int, Path]]:
+        """(mtime_ns, seq, size, path) of the published parts of `tables`."""
+        out = []
+        for t in tables:
+            d = self.path / t
+            if not d.is_dir():
+                continue
+            for p in d.iterdir():
+                m = PART_RE.match(p.name)
+                if m is None:
+                    continue
+                try:
+                    st = p.stat()
+                except FileNotFoundError:  # deleted meanwhile (another pruner, a user)
+                    continue
+                out.append((st.st_mtime_ns, int(m.group(1)), st.st_size, p))
+        return out
+
     def disk_bytes(self) -> int:
-        return sum(p.stat().st_size for t in TABLES if (self.path / t).is_dir()
-                   for p in (self.path / t).iterdir() if PART_RE.match(p.name))
+        """Bytes of all published parts (run.json and temporaries not counted)."""
+        return sum(size for _, _, size, _ in self._parts(tuple(TABLES)))
 
     def prune(self, max_bytes: int, tables: tuple[str, ...] = ("samples", "events")) -> int:
         """Delete the oldest parts of `tables` until the store is within `max_bytes`.
 
+        Parts are deleted oldest first across `tables` (by modification time, then sequence
+        number); parts of other tables are never deleted, so the bound can stay unmet when
+        they alone exceed it.
+
         Returns the number of parts deleted. Readers report the deleted parts as gaps.
         """
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         total = self.disk_bytes()
-        if total <= max_bytes:
-            return 0
-        parts = sorted(
-            ((int(m.group(1)), p) for t in tables if (self.path / t).is_dir()
-             for p in (self.path / t).iterdir() if (m := PART_RE.match(p.name))),
-            key=lambda x: (x[0], str(x[1])),
-        )
         deleted = 0
-        for _, p in parts:
+        for _, _, size, p in sorted(self._parts(tables), key=lambda x: (x[0], x[1], x[3].name)):
             if total <= max_bytes:
                 break
-            size = p.stat().st_size
-            p.unlink()
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass
             total -= size
             deleted += 1
         return deleted

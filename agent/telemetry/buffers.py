@@ -1,15 +1,17 @@
-"""Preallocated columnar segments for the hot path.
+"""Preallocated columnar segments for the hot path, and the segmented tables built from them.
 
 A segment is a fixed set of `array.array` columns allocated at full capacity once and filled by
 index, so an append is a handful of C-level stores and never reallocates. One thread writes a
 segment; it publishes row i by setting `n = i + 1` after the row's stores, so a drain on another
 thread may read rows [drained, n) at any time without a lock. Drained rows are never written
-again, so the Arrow arrays built over them are zero-copy views of the segment's memory.
+again, so the Arrow arrays built over them are views of the segment's memory.
 """
 
 from __future__ import annotations
 
 from array import array
+from collections import deque
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -35,8 +37,98 @@ class Segment:
         return np.frombuffer(self.cols[i], dtype=np.int64, count=hi - lo, offset=8 * lo)
 
 
-#: A drained slice of a segment: rows [lo, hi).
-Chunk = tuple[Segment, int, int]
+class RowBlock:
+    """Rows recorded by threads other than a table's writer, packed column-major at drain time.
+
+    Duck-types the part of `Segment` that drained chunks use (`view`, `waits`).
+    """
+
+    __slots__ = ("cols", "waits")
+
+    def __init__(self, rows: list[array], ncols: int) -> None:
+        # Each row is an array('q') validated when it was recorded; one join + transpose packs
+        # them without a per-value Python loop.
+        m = np.frombuffer(b"".join(rows), dtype=np.int64).reshape(len(rows), ncols)
+        self.cols = np.ascontiguousarray(m.T)
+        self.waits: dict[int, tuple[int, ...]] | None = None
+
+    def view(self, i: int, lo: int, hi: int) -> np.ndarray:
+        return self.cols[i, lo:hi]
+
+
+#: A drained slice of a segment (or of a block of foreign rows): rows [lo, hi).
+Chunk = tuple[Segment | RowBlock, int, int]
+
+
+class SegmentedTable:
+    """A segmented columnar buffer written by one thread and drained by another.
+
+    The writer fills `active` and, when it is full, appends it to `full` and starts a new one
+    (both GIL-atomic). The drain pops `full` and reads the published rows of `active`. At most
+    `max_segments` full segments wait for a drain; beyond that rows are dropped (the caller
+    counts them). Rows from other threads queue in `foreign` as validated `array('q')` rows
+    (with the request id resolved when they were recorded), bounded by `max_foreign`.
+    """
+
+    __slots__ = ("active", "cap", "cols", "foreign", "full", "max_foreign", "max_segments",
+                 "name")
+
+    def __init__(self, name: str, cols: tuple[str, ...], cap: int, max_segments: int) -> None:
+        self.name = name
+        self.cols = cols
+        self.cap = cap
+        self.max_segments = max_segments
+        self.max_foreign = cap * max_segments
+        self.active = Segment(cols, cap)
+        self.full: deque[Segment] = deque()
+        self.foreign: deque[tuple[array, int, str | None]] = deque()
+
+    def rotate(self) -> Segment | None:
+        """(Writer) hand the full active segment over; None when the bound is reached."""
+        if len(self.full) >= self.max_segments:
+            return None
+        self.full.append(self.active)
+        self.active = Segment(self.cols, self.cap)
+        return self.active
+
+    def take(self, late_ids: dict[int, str]) -> list[Chunk]:
+        """(Drain) every published row not drained before, as chunks.
+
+        Args:
+            late_ids: filled with request_num → request_id of foreign rows, resolved when they
+                were recorded (the request may have been retired since).
+        """
+        out: list[Chunk] = []
+        while True:
+            try:
+                seg = self.full.popleft()
+            except IndexError:
+                break
+            hi = seg.n
+            if hi > seg.drained:
+                out.append((seg, seg.drained, hi))
+                seg.drained = hi
+        # NOTE: if the writer rotates `active` after the loop above, the old segment waits in
+        # `full` and its remaining rows come with the *next* drain (the recorder keeps request
+        # ids alive one drain longer for exactly this case).
+        seg = self.active
+        hi = seg.n
+        if hi > seg.drained:
+            out.append((seg, seg.drained, hi))
+            seg.drained = hi
+        foreign = pop_all(self.foreign)
+        if foreign:
+            for _, rn, rid in foreign:
+                if rid is not None:
+                    late_ids[rn] = rid
+            out.append((RowBlock([row for row, _, _ in foreign], len(self.cols)), 0,
+                        len(foreign)))
+        return out
+
+
+def pop_all(dq: deque[Any]) -> list[Any]:
+    """Pop what `dq` holds now (each popleft is atomic; appends may continue meanwhile)."""
+    return [dq.popleft() for _ in range(len(dq))]
 
 
 def concat_column(chunks: list[Chunk], i: int) -> np.ndarray:
@@ -54,9 +146,13 @@ def chunk_waits(chunks: list[Chunk]) -> list[tuple[int, ...] | None] | None:
     out: list[tuple[int, ...] | None] = []
     for seg, lo, hi in chunks:
         part: list[tuple[int, ...] | None] = [None] * (hi - lo)
-        for i, w in (seg.waits or {}).items():
-            if lo <= i < hi:
-                part[i - lo] = w
+        if seg.waits:
+            # NOTE: the writer may insert into this dict while we drain (rows beyond `hi`);
+            # dict.copy() is one C call under the GIL, iterating the live dict is not and can
+            # raise "dictionary changed size during iteration".
+            for i, w in seg.waits.copy().items():
+                if lo <= i < hi:
+                    part[i - lo] = w
         out += part
     return out
 

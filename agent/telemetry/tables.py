@@ -7,7 +7,7 @@ become strings through their vocabulary (dictionary decode in C++).
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -28,13 +28,21 @@ LAYER_COLS = ("request_num", "layer", "hit_tokens", "loaded_tokens", "recomputed
               "prompt_tokens", "load_ns", "wait_ns")
 
 
-def request_ids(nums: np.ndarray, ids: dict[int, str]) -> pa.Array:
+class IdLookup(Protocol):
+    """request_num → request_id (a dict, or the recorder's view with late-resolved ids)."""
+
+    def get(self, rn: int, /) -> str | None: ...
+
+
+def request_ids(nums: np.ndarray, ids: IdLookup) -> pa.Array:
+    """The request_id of every row (null for negative or unknown numbers), one lookup per
+    distinct number."""
     uniq, inverse = np.unique(nums, return_inverse=True)
     vocab = [ids.get(int(u)) if u >= 0 else None for u in uniq]
     return pa.array(vocab, type=pa.string()).take(pa.array(inverse.astype(np.int64)))
 
 
-def state_table(segs: list[Chunk], ids: dict[int, str], off: int) -> pa.Table:
+def state_table(segs: list[Chunk], ids: IdLookup, off: int) -> pa.Table:
     rn = concat_column(segs, 0)
     n = len(rn)
     waits = chunk_waits(segs)
@@ -59,7 +67,7 @@ def state_table(segs: list[Chunk], ids: dict[int, str], off: int) -> pa.Table:
     return pa.table(cols, schema=SPANS_SCHEMA)
 
 
-def activity_table(segs: list[Chunk], ids: dict[int, str], names: list[str],
+def activity_table(segs: list[Chunk], ids: IdLookup, names: list[str],
                     off: int) -> pa.Table:
     rn = concat_column(segs, 0)
     n = len(rn)
@@ -106,7 +114,7 @@ def step_table(segs: list[Chunk], names: list[str], off: int) -> pa.Table:
     return pa.table(cols, schema=SPANS_SCHEMA)
 
 
-def layers_table(segs: list[Chunk], ids: dict[int, str]) -> pa.Table:
+def layers_table(segs: list[Chunk], ids: IdLookup) -> pa.Table:
     rn = concat_column(segs, 0)
     cols: dict[str, pa.Array] = {"request_id": request_ids(rn, ids)}
     cols["layer"] = pa.array(concat_column(segs, 1).astype(np.int32))
@@ -141,16 +149,34 @@ def samples_table(rows: list[tuple[Any, ...]], off: int) -> pa.Table:
     )
 
 
-def events_table(rows: list[tuple[Any, ...]], ids: dict[int, str], off: int) -> pa.Table:
-    ts, source, name, rn, detail = zip(*rows, strict=True)
+def detail_json(detail: dict[str, Any] | None) -> str | None:
+    """An event's detail as JSON text; never raises (the drain must not fail on one value)."""
+    if detail is None:
+        return None
+    try:
+        return json.dumps(detail, default=str)
+    except Exception as exc:  # non-str keys, circular references, a failing __str__
+        return json.dumps({"unserializable": type(exc).__name__, "repr": _safe_repr(detail)})
+
+
+def _safe_repr(obj: Any) -> str:
+    try:
+        return repr(obj)[:1000]
+    except Exception:
+        return object.__repr__(obj)
+
+
+def events_table(rows: list[tuple[Any, ...]], off: int) -> pa.Table:
+    """Event rows `(t, source, name, request_id, detail)`; request ids were resolved when the
+    events were recorded."""
+    ts, source, name, rid, detail = zip(*rows, strict=True)
     return pa.table(
         {
             "ts_ns": pa.array(np.asarray(ts, dtype=np.int64) + off),
             "source": pa.array(source, pa.string()),
             "name": pa.array(name, pa.string()),
-            "request_id": pa.array([ids.get(r) if r >= 0 else None for r in rn], pa.string()),
-            "detail": pa.array([None if d is None else json.dumps(d, default=str)
-                                for d in detail], pa.string()),
+            "request_id": pa.array(rid, pa.string()),
+            "detail": pa.array([detail_json(d) for d in detail], pa.string()),
         },
         schema=EVENTS_SCHEMA,
     )

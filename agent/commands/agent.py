@@ -1,0 +1,98 @@
+"""`kvscope agent`: the per-node daemon (collectors, /metrics, run store, OTLP).
+
+Imports only typer and the stdlib at import time; the daemon is imported inside the command,
+and it never imports torch or pandas.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import typer
+
+from agent.errors import InputError
+from agent.node.config import DEFAULT_PORT
+
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int | None:
+    """`--max-disk-bytes` values: bytes, or with a binary suffix (512M, 2GiB); `none` = no bound.
+
+    Args:
+        text: the option value.
+
+    Returns:
+        Bytes, or None for no bound.
+    """
+    if text.strip().lower() in ("none", "unbounded"):
+        return None
+    m = _SIZE_RE.match(text)
+    if m is None:
+        raise InputError(f"--max-disk-bytes: expected bytes like 1073741824, 512M or 2GiB, "
+                         f"got {text!r}")
+    unit = (m.group(2) or "").upper()[:1]
+    return int(m.group(1)) * _SIZE_UNITS[unit]
+
+
+def agent(
+    port: int = typer.Option(DEFAULT_PORT, "--port", "-p",
+                             help="TCP port of /metrics (not 9100/9400: node_exporter's and "
+                                  "dcgm-exporter's)."),
+    listen_address: str = typer.Option("127.0.0.1", "--listen-address",
+                                       help="Address to bind; open it deliberately (e.g. "
+                                            "0.0.0.0) for a fleet Prometheus."),
+    interval: float = typer.Option(1.0, "--interval", "-i", help="Seconds between collections."),
+    out: Path | None = typer.Option(None, "--out", "-o",
+                                    help="Run-store directory for samples and events."),
+    max_disk_bytes: str = typer.Option("1GiB", "--max-disk-bytes",
+                                       help="Disk bound of the run store; the oldest parts "
+                                            "are deleted beyond it ('none' = unbounded)."),
+    flush_interval: float = typer.Option(30.0, "--flush-interval",
+                                         help="Seconds between run-store parts."),
+    otlp_endpoint: str | None = typer.Option(None, "--otlp-endpoint",
+                                             help="OTLP/HTTP metrics endpoint, e.g. "
+                                                  "http://127.0.0.1:4318/v1/metrics."),
+    otlp_interval: float = typer.Option(15.0, "--otlp-interval",
+                                        help="Seconds between OTLP exports."),
+    include: list[str] = typer.Option([], "--include",
+                                      help="Network interfaces to collect (glob, repeatable)."),
+    exclude: list[str] = typer.Option([], "--exclude",
+                                      help="Network interfaces to skip (glob, repeatable)."),
+    watch_pid: list[str] = typer.Option([], "--watch-pid",
+                                        help="Process to watch (RSS, CPU): PID or NAME=PID; "
+                                             "a bare PID is named 'engine'. Repeatable."),
+    disable: list[str] = typer.Option([], "--disable",
+                                      help="Collector to leave out: nvml, nic, rdma, host."),
+    sys_root: str = typer.Option("/sys", "--sys-root", help="Where sysfs is mounted."),
+    proc_root: str = typer.Option("/proc", "--proc-root", help="Where procfs is mounted."),
+) -> None:
+    """Run the node agent: GPU (NVML), NIC, RDMA and host collectors, served on /metrics,
+    written to a run store, optionally exported over OTLP. SIGTERM flushes and exits 0."""
+    import logging
+    import sys
+
+    from agent.node.config import AgentConfig, parse_watch
+
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    config = AgentConfig(
+        port=port, listen_address=listen_address, interval_s=interval,
+        out=str(out) if out is not None else None, max_disk_bytes=parse_size(max_disk_bytes),
+        flush_interval_s=flush_interval, otlp_endpoint=otlp_endpoint,
+        otlp_interval_s=otlp_interval, include=tuple(include), exclude=tuple(exclude),
+        sys_root=sys_root, proc_root=proc_root, watch=parse_watch(watch_pid),
+        disable=tuple(disable),
+    )
+    from agent.node.daemon import NodeAgent
+
+    node = NodeAgent(config)
+    node.install_signal_handlers()
+    try:
+        node.start()
+    except BaseException:
+        node.shutdown()
+        raise
+    node.serve_forever()

@@ -1,0 +1,62 @@
+"""`kvscope dashboard RUN [RUN ...]`: the Streamlit dashboard over one or more runs."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import typer
+
+#: Streamlit's own default port.
+DEFAULT_PORT = 8501
+
+
+def streamlit_argv(runs: list[Path], *, port: int, address: str) -> list[str]:
+    """The command line that serves the dashboard app over `runs`.
+
+    Args:
+        runs: run directories or importable trace files, passed through to the app.
+        port: TCP port to listen on.
+        address: address to bind (127.0.0.1 unless opened deliberately).
+
+    Returns:
+        argv for ``python -m streamlit run`` (headless, no usage statistics, no file watcher).
+    """
+    app = Path(__file__).resolve().parents[2] / "dashboard" / "streamlit_app.py"
+    return [
+        sys.executable, "-m", "streamlit", "run", str(app),
+        "--server.headless=true",
+        f"--server.port={port}",
+        f"--server.address={address}",
+        "--browser.gatherUsageStats=false",
+        "--server.fileWatcherType=none",
+        "--server.runOnSave=false",
+        "--client.toolbarMode=viewer",
+        "--", *(str(r.resolve()) for r in runs),
+    ]
+
+
+def dashboard(
+    runs: list[Path] = typer.Argument(
+        ..., help="Run directories or trace files (two or more add the Compare page)."),
+    port: int = typer.Option(DEFAULT_PORT, "--port", "-p", help="Port to serve on."),
+    listen_address: str = typer.Option(
+        "127.0.0.1", "--listen-address",
+        help="Address to bind; 0.0.0.0 opens the dashboard to the network deliberately."),
+) -> None:
+    """Serve the dashboard (Overview, Requests, KV cache, Hardware, Compare) until Ctrl-C."""
+    from agent.errors import InputError
+
+    for r in runs:
+        if not r.exists():
+            raise InputError(f"{r}: no such run directory or file")
+        if r.is_dir() and not (r / "run.json").exists():
+            raise InputError(f"{r}: not a run directory (no run.json)")
+    if not 1 <= port <= 65535:
+        raise InputError(f"--port: must be in 1..65535, got {port}")
+    argv = streamlit_argv(runs, port=port, address=listen_address)
+    typer.echo(f"kvscope dashboard: http://{listen_address}:{port}", err=True)
+    sys.stdout.flush()
+    # exec, not a child: Ctrl-C and a supervisor's SIGTERM reach Streamlit directly.
+    os.execv(argv[0], argv)

@@ -1,0 +1,65 @@
+"""The per-request token, byte and count accounting row (DESIGN.md section 2)."""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, fields
+
+from agent.schema import ACCOUNTING_COLUMNS
+
+
+@dataclass(slots=True)
+class RequestAccounting:
+    """Token, byte and count accounting of one request (DESIGN.md section 2).
+
+    NOTE: prompt_tokens == device_hit_tokens + host_loaded_tokens + remote_loaded_tokens +
+    recomputed_tokens must hold when the request has produced its first token.
+    """
+
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    lookup_tokens: int = 0
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    remote_hit_tokens: int = 0
+    host_loaded_tokens: int = 0
+    remote_loaded_tokens: int = 0
+    recomputed_tokens: int = 0
+    preempted_tokens: int = 0
+    load_failed_tokens: int = 0
+    load_failed_timeout_tokens: int = 0
+    load_failed_checksum_tokens: int = 0
+    load_failed_error_tokens: int = 0
+    load_failed_circuit_open_tokens: int = 0
+    load_failed_evicted_tokens: int = 0
+    host_read_bytes: int = 0
+    remote_read_bytes: int = 0
+    h2d_bytes: int = 0
+    host_written_bytes: int = 0
+    remote_written_bytes: int = 0
+    num_preemptions: int = 0
+
+    def identity_holds(self) -> bool:
+        """Whether the prompt tokens split exactly into the four KV sources."""
+        return self.prompt_tokens == (self.device_hit_tokens + self.host_loaded_tokens
+                                      + self.remote_loaded_tokens + self.recomputed_tokens)
+
+    def values(self) -> tuple[int, ...]:
+        """The fields in `ACCOUNTING_COLUMNS` order."""
+        return tuple(getattr(self, c) for c in ACCOUNTING_COLUMNS)
+
+    def checked_values(self) -> tuple[int, ...]:
+        """`values()`, validated as non-negative int64s.
+
+        Raises:
+            TypeError, OverflowError, ValueError: a field is not an integer, does not fit int64,
+                or is negative (the run store's accounting columns are non-negative int64).
+        """
+        vals = array("q", self.values())  # one C-level type/range check of every field
+        if min(vals) < 0:
+            bad = [c for c, v in zip(ACCOUNTING_COLUMNS, vals, strict=True) if v < 0]
+            raise ValueError(f"negative accounting field(s): {', '.join(bad)}")
+        return tuple(vals)
+
+
+assert tuple(f.name for f in fields(RequestAccounting)) == ACCOUNTING_COLUMNS

@@ -1,0 +1,303 @@
+"""Runs collectors on their own schedules and hands their output to a sink.
+
+One thread per collector: a slow collector (NVML on a busy driver, a hung sysfs read) delays
+only itself. Each thread keeps a fixed cadence (run k starts at start + k·interval); when a run
+overruns, the missed starts are skipped and counted, never queued.
+
+In-process use, e.g. beside the engine in `kvscope run` so one run store holds both::
+
+    from collectors.runner import CollectorRunner, default_collectors, recorder_sink
+    runner = CollectorRunner(default_collectors(watch={"engine": os.getpid()}),
+                             interval_s=1.0, on_samples=recorder_sink(recorder))
+    runner.start()          # threads named kvscope-collector-<name>
+    ...
+    runner.stop()           # joins the threads, closes NVML
+
+`on_samples(collector_name, collection)` runs on the collector's thread and returns how many
+samples it dropped (or None); `readings()` is the latest snapshot for Prometheus/OTLP exporters
+(`collectors.prometheus.CollectorExposition(runner)` registers it with prometheus-client).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from agent.clock import ClockAnchor, now_ns, process_anchor
+from collectors.base import BaseCollector, Collection, Event, Reading
+
+log = logging.getLogger(__name__)
+
+OnSamples = Callable[[str, Collection], "int | None"]
+
+
+@dataclass(slots=True)
+class CollectorHealth:
+    """The runner's account of one collector (exported as kvscope_collector_*)."""
+
+    runs: int = 0
+    errors: int = 0
+    dropped: int = 0
+    missed: int = 0  # scheduled starts skipped because a run overran its interval
+    last_duration_s: float | None = None
+    last_success_ns: int | None = None  # monotonic
+
+
+class CollectorRunner:
+    """Schedules collectors and keeps their latest output.
+
+    Args:
+        collectors: the collectors; unavailable ones are reported once and never scheduled.
+        interval_s: default seconds between runs of each collector.
+        on_samples: called with (collector name, Collection) after each run; returns the
+            number of samples it dropped (counted in kvscope_collector_dropped_samples_total).
+        intervals: per-collector overrides, name → seconds.
+        clock: monotonic ns clock.
+        anchor: converts monotonic to epoch time for the last-success timestamp.
+    """
+
+    def __init__(
+        self,
+        collectors: Iterable[BaseCollector],
+        interval_s: float = 1.0,
+        *,
+        on_samples: OnSamples | None = None,
+        intervals: dict[str, float] | None = None,
+        clock: Callable[[], int] = now_ns,
+        anchor: ClockAnchor | None = None,
+    ) -> None:
+        if not interval_s > 0:
+            raise ValueError(f"interval_s: must be > 0 seconds, got {interval_s}")
+        all_c = list(collectors)
+        names = [c.name for c in all_c]
+        if len(set(names)) != len(names):
+            raise ValueError(f"collectors: duplicate names in {names}")
+        self.intervals: dict[str, float] = {c.name: interval_s for c in all_c}
+        for name, s in (intervals or {}).items():
+            if name not in self.intervals:
+                raise ValueError(f"intervals: unknown collector {name!r}; expected one of "
+                                 f"{sorted(self.intervals)}")
+            if not s > 0:
+                raise ValueError(f"intervals[{name!r}]: must be > 0 seconds, got {s}")
+            self.intervals[name] = s
+        self.collectors = [c for c in all_c if c.available]
+        self.unavailable = [c for c in all_c if not c.available]
+        self.on_samples = on_samples
+        self.clock = clock
+        self.anchor = anchor or process_anchor()
+        self.health: dict[str, CollectorHealth] = {c.name: CollectorHealth()
+                                                   for c in self.collectors}
+        self._latest: dict[str, Collection] = {}
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._announced = False
+        self._sink_failed_logged = False
+        self._fail_logged: set[str] = set()
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Start one daemon thread per available collector (the first run is immediate)."""
+        if self._threads:
+            raise RuntimeError("CollectorRunner already started")
+        self.announce_unavailable()
+        self._stop.clear()
+        for c in self.collectors:
+            t = threading.Thread(target=self._loop, args=(c,), name=f"kvscope-collector-{c.name}",
+                                 daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the threads (a run in progress finishes first) and close the collectors."""
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout_s)
+            if t.is_alive():
+                log.warning("kvscope agent: %s did not stop within %.1f s", t.name, timeout_s)
+        self._threads = []
+        for c in self.collectors:
+            try:
+                c.close()
+            except Exception:
+                log.warning("kvscope agent: closing collector %s failed", c.name, exc_info=True)
+
+    @property
+    def running(self) -> bool:
+        return bool(self._threads) and not self._stop.is_set()
+
+    def announce_unavailable(self) -> None:
+        """Hand the sink one `collector_unavailable` event per unavailable collector (once)."""
+        if self._announced:
+            return
+        self._announced = True
+        for c in self.unavailable:
+            ts = self.clock()
+            col = Collection(ts, events=[Event(ts, c.source, "collector_unavailable",
+                                               {"collector": c.name,
+                                                "reason": c.unavailable_reason})])
+            self._deliver(c.name, col)
+
+    def _loop(self, c: BaseCollector) -> None:
+        interval_ns = int(self.intervals[c.name] * 1e9)
+        h = self.health[c.name]
+        deadline = self.clock()
+        while not self._stop.is_set():
+            self.run_once(c)
+            deadline += interval_ns
+            now = self.clock()
+            if now >= deadline:
+                skipped = (now - deadline) // interval_ns + 1
+                h.missed += skipped
+                deadline += skipped * interval_ns
+            self._stop.wait((deadline - now) / 1e9)
+
+    # ------------------------------------------------------------------ one run
+    def run_once(self, c: BaseCollector) -> Collection | None:
+        """Run `c` once on the calling thread: time it, keep its output, hand it to the sink."""
+        h = self.health[c.name]
+        t0 = self.clock()
+        try:
+            col = c.collect()
+        except Exception as exc:
+            h.errors += 1
+            h.last_duration_s = (self.clock() - t0) / 1e9
+            if c.name not in self._fail_logged:
+                self._fail_logged.add(c.name)
+                log.warning("kvscope agent: collector %s failed: %s (further failures are "
+                            "counted in kvscope_collector_errors_total)", c.name, exc,
+                            exc_info=True)
+            ts = self.clock()
+            self._deliver(c.name, Collection(ts, events=[Event(
+                ts, c.source, "collector_error", {"collector": c.name, "error": repr(exc)})]))
+            return None
+        t1 = self.clock()
+        h.runs += 1
+        h.last_duration_s = (t1 - t0) / 1e9
+        h.last_success_ns = t1
+        self._latest[c.name] = col
+        self._deliver(c.name, col)
+        return col
+
+    def collect_once(self) -> dict[str, Collection]:
+        """Run every available collector once, in turn, on the calling thread (tests and
+        benchmarks drive cycles back to back this way; do not mix with `start()`)."""
+        self.announce_unavailable()
+        out: dict[str, Collection] = {}
+        for c in self.collectors:
+            col = self.run_once(c)
+            if col is not None:
+                out[c.name] = col
+        return out
+
+    def _deliver(self, name: str, col: Collection) -> None:
+        if self.on_samples is None:
+            return
+        try:
+            dropped = self.on_samples(name, col)
+        except Exception:
+            dropped = len(col.samples)
+            if not self._sink_failed_logged:
+                self._sink_failed_logged = True
+                log.warning("kvscope agent: the sample sink failed; its samples are counted as "
+                            "dropped", exc_info=True)
+        if dropped and name in self.health:
+            self.health[name].dropped += dropped
+
+    def count_dropped(self, name: str, n: int) -> None:
+        """Count `n` samples of collector `name` lost downstream (e.g. a failed write)."""
+        h = self.health.get(name)
+        if h is not None:
+            h.dropped += n
+
+    # ------------------------------------------------------------------ snapshot
+    def latest(self) -> dict[str, Collection]:
+        """The last successful Collection of each collector."""
+        return dict(self._latest)
+
+    def readings(self) -> dict[str, list[Reading]]:
+        """Every exposed series now, grouped by metric name (collector output + health)."""
+        out: dict[str, list[Reading]] = {}
+        for col in list(self._latest.values()):
+            for r in col.readings:
+                lst = out.get(r.name)
+                if lst is None:
+                    out[r.name] = [r]
+                else:
+                    lst.append(r)
+        for r in self.health_readings():
+            out.setdefault(r.name, []).append(r)
+        return out
+
+    def health_readings(self) -> list[Reading]:
+        """kvscope_collector_* series for every scheduled collector."""
+        out: list[Reading] = []
+        off = self.anchor.offset_ns
+        for name, h in self.health.items():
+            lab = (name,)
+            if h.last_duration_s is not None:
+                out.append(Reading("kvscope_collector_duration_seconds", lab, h.last_duration_s))
+            out.append(Reading("kvscope_collector_errors_total", lab, float(h.errors)))
+            out.append(Reading("kvscope_collector_dropped_samples_total", lab, float(h.dropped)))
+            if h.last_success_ns is not None:
+                out.append(Reading("kvscope_collector_last_success_timestamp_seconds", lab,
+                                   (h.last_success_ns + off) / 1e9))
+        return out
+
+
+def default_collectors(
+    *,
+    sys_root: str = "/sys",
+    proc_root: str = "/proc",
+    include: tuple[str, ...] = (),
+    exclude: tuple[str, ...] = (),
+    watch: dict[str, int] | None = None,
+    nvml: Any = None,
+    disable: tuple[str, ...] = (),
+) -> list[BaseCollector]:
+    """The standard set: nvml, nic, rdma, host (minus `disable`).
+
+    Args:
+        sys_root, proc_root: where sysfs and procfs are mounted.
+        include, exclude: glob patterns for network interfaces.
+        watch: process label → pid for the host collector.
+        nvml: the NVML binding (pynvml by default).
+        disable: collector names to leave out.
+    """
+    from collectors.host import HostCollector
+    from collectors.nic import NicCollector
+    from collectors.nvml import NvmlCollector
+    from collectors.rdma import RdmaCollector
+
+    known = ("nvml", "nic", "rdma", "host")
+    for d in disable:
+        if d not in known:
+            raise ValueError(f"disable: unknown collector {d!r}; expected one of {list(known)}")
+    out: list[BaseCollector] = []
+    if "nvml" not in disable:
+        out.append(NvmlCollector(nvml=nvml))
+    if "nic" not in disable:
+        out.append(NicCollector(sys_root=sys_root, proc_root=proc_root, include=include,
+                                exclude=exclude))
+    if "rdma" not in disable:
+        out.append(RdmaCollector(sys_root=sys_root))
+    if "host" not in disable:
+        out.append(HostCollector(proc_root=proc_root, watch=watch))
+    return out
+
+
+def recorder_sink(recorder: Any) -> OnSamples:
+    """An `on_samples` that writes into an `agent.telemetry.Recorder` (its samples and events
+    tables), so `kvscope run` stores hardware context in the same run store as the engine."""
+
+    def on_samples(name: str, col: Collection) -> int:
+        before = recorder.stats.dropped.get("samples", 0)
+        for s in col.samples:
+            recorder.sample(s.source, s.metric, s.value, entity=s.entity, unit=s.unit, t=s.ts_ns)
+        for e in col.events:
+            recorder.event(e.name, t=e.ts_ns, source=e.source, detail=e.detail)
+        return recorder.stats.dropped.get("samples", 0) - before
+
+    return on_samples
