@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+from typing import Any
 
 import typer
 
@@ -89,18 +90,44 @@ def invoke(cli: typer.Typer, argv: list[str] | None = None) -> int:
         0 on success, 2 for a user error (one `kvscope: error: ...` line on stderr, no
         traceback), click's status for usage errors and `--help`, 130 on Ctrl-C.
     """
+    ce = _click_exceptions()
     try:
-        cli(args=argv, prog_name="kvscope", standalone_mode=True)
-    except SystemExit as exc:  # typer/click exit paths (help, usage errors, typer.Exit)
+        # standalone_mode=False: click raises usage errors instead of printing its multi-line
+        # box, so they follow the same one-line contract as every other user error.
+        rv = cli(args=argv, prog_name="kvscope", standalone_mode=False)
+    except SystemExit as exc:  # a command calling sys.exit()
         code = exc.code
         return code if isinstance(code, int) else (0 if code is None else 1)
+    except ce.NoArgsIsHelpError as exc:  # bare `kvscope` / `kvscope rules`: show help
+        print(exc.ctx.get_help() if exc.ctx is not None else "")
+        return 0
+    except ce.UsageError as exc:
+        where = exc.ctx.command_path if exc.ctx is not None else "kvscope"
+        print(f"kvscope: error: {' '.join(exc.format_message().split())} "
+              f"(see '{where} --help')", file=sys.stderr)
+        return 2
+    except typer.Abort:
+        print("kvscope: interrupted", file=sys.stderr)
+        return 130
+    except ce.ClickException as exc:
+        print(f"kvscope: error: {' '.join(exc.format_message().split())}", file=sys.stderr)
+        return exc.exit_code
     except USER_ERRORS as exc:
         print(f"kvscope: error: {user_message(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("kvscope: interrupted", file=sys.stderr)
         return 130
-    return 0
+    return rv if isinstance(rv, int) else 0
+
+
+def _click_exceptions() -> Any:
+    """click's exception classes: typer >= 0.2x vendors click as `typer._click`."""
+    try:
+        from typer._click import exceptions
+    except ImportError:  # older typer on top of click
+        from click import exceptions
+    return exceptions
 
 
 def user_message(exc: BaseException) -> str:

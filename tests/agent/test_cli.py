@@ -84,7 +84,16 @@ def test_usage_errors_and_success_statuses(capsys: pytest.CaptureFixture[str]) -
     assert invoke(app, ["fine"]) == 0
     assert capsys.readouterr().out == "ok\n"
     assert invoke(app, ["nope"]) == 2  # click's usage error
-    assert "No such command" in capsys.readouterr().err
+    assert capsys.readouterr().err == (
+        "kvscope: error: No such command 'nope'. (see 'kvscope --help')\n")
+
+
+@pytest.mark.parametrize("argv", [["plan", "--layers", "abc"], ["version", "--bogus"]])
+def test_a_bad_option_value_is_one_line_too(capsys: pytest.CaptureFixture[str],
+                                            argv: list[str]) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvscope: error: ") and err.count("\n") == 1, err
 
 
 def test_a_user_error_in_a_fresh_process(tmp_path: Path) -> None:
