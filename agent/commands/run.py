@@ -62,6 +62,9 @@ def run(
                                  help="Write a PyTorch profiler trace into the run directory."),
     threads: int = typer.Option(0, "--threads",
                                 help="torch CPU threads; 0 = half the cores, at most 4."),
+    collectors: bool = typer.Option(True, "--collectors/--no-collectors",
+                                    help="Sample host (and GPU, NIC, RDMA where present) "
+                                         "counters into the run store every second."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Run the instrumented paged-KV engine against a workload with real-time arrivals.
@@ -87,6 +90,7 @@ def run(
         max_batched_tokens=max_batched_tokens, prefix_caching=prefix_caching, rate=rate,
         device=device, dtype=dtype, metrics_port=metrics_port, listen_address=listen_address,
         profile=profile, scale=scale, time_scale=time_scale, tenants=tenants, threads=threads,
+        collectors=collectors,
     )
     err = Console(stderr=True)
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),

@@ -1,0 +1,320 @@
+"""The engine: requests in, one batched step at a time, finished requests out.
+
+    arrival thread:  make_request → lookup (hash blocks, probe tiers) → submit ─┐ inbox
+    engine loop:     step(): take arrivals → schedule → prepare → forward → sample → update
+
+`lookup` may run on any thread (it only hashes and reads the pool's index), so a real-time
+driver performs it at the request's arrival while a step runs; everything else, including every
+recorder call, happens on the engine loop's thread. With `recorder=None` nothing is recorded
+and each hook costs one branch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from agent.clock import now_ns
+from agent.telemetry import Recorder
+from instrumented_engine.config import EngineConfig
+from instrumented_engine.core.block_hash import namespace_digest
+from instrumented_engine.core.block_pool import BlockPool
+from instrumented_engine.core.kv_cache_manager import KVCacheManager, lookup_tokens
+from instrumented_engine.core.request import Request, RequestOutput, SamplingParams
+from instrumented_engine.core.tiers import KVTier
+from instrumented_engine.model.llama import LlamaModel, build_model
+from instrumented_engine.model_runner import TORCH_DTYPES, ModelRunner
+from instrumented_engine.scheduler import Scheduler
+from instrumented_engine.telemetry import EngineTelemetry
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counts the tests and the run summary read (telemetry on or off)."""
+
+    steps: int = 0
+    preemptions: int = 0
+    evicted_blocks: int = 0
+    #: prefill chunks that ended before the prompt did (chunked prefill at work)
+    partial_prefills: int = 0
+    finished: int = 0
+
+
+class LLMEngine:
+    """A paged-KV engine over a Llama-style model.
+
+    Args:
+        config: the engine configuration.
+        model: a prebuilt model (e.g. a loaded checkpoint, or one shared by benchmark runs);
+            default: random weights from `config.model.seed`.
+        recorder: where telemetry goes; None turns telemetry off.
+        tiers: KV tiers beyond the device pool, consulted at arrival lookup (host, remote).
+        clock: the monotonic clock in ns (the recorder's, so all times share one clock).
+    """
+
+    def __init__(self, config: EngineConfig, *, model: LlamaModel | None = None,
+                 recorder: Recorder | None = None, tiers: Sequence[KVTier] = (),
+                 clock: Callable[[], int] = now_ns) -> None:
+        self.config = config
+        mc = config.model
+        if model is None:
+            model = build_model(mc, dtype=TORCH_DTYPES[config.dtype], device=config.device)
+        elif model.cfg != mc:
+            raise ValueError("model: its config differs from config.model")
+        self.model_name = mc.model_id
+        self.pool = BlockPool(config.cache.num_blocks,
+                              enable_caching=config.cache.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool, config.cache.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.runner = ModelRunner(model, config)
+        self.tiers = tuple(tiers)
+        self.clock = recorder.now if recorder is not None else clock
+        self.recorder = recorder
+        self.tel = None if recorder is None else EngineTelemetry(
+            recorder, model=self.model_name, num_layers=mc.num_layers, device=config.device)
+        self.stats = EngineStats()
+        self._namespace = config.namespace
+        self._ns_cache: dict[str | None, bytes] = {}
+        self._ids = itertools.count()
+        self._nums = itertools.count()
+        self._inbox: deque[tuple[Request, dict[str, int]]] = deque()
+        self._wake = threading.Event()
+
+    # ------------------------------------------------------------------ arrivals
+    def make_request(self, prompt_token_ids: Sequence[int], max_tokens: int = 16,
+                     sampling: SamplingParams | None = None, *, tenant: str | None = None,
+                     request_id: str | None = None, cache_salt: str | None = None,
+                     workload_class: str | None = None) -> Request:
+        """A validated request (not yet submitted).
+
+        Args:
+            prompt_token_ids: the prompt.
+            max_tokens: output tokens to generate (the only stop condition).
+            sampling: greedy by default.
+            tenant: who sent it; also its cache salt when `cache.salt_by_tenant` is on.
+            request_id: defaults to ``req-<n>``.
+            cache_salt: explicit cache salt (overrides the tenant's).
+            workload_class: a label for analysis (e.g. the workload name).
+
+        Raises:
+            ValueError: empty prompt, token ids out of the vocabulary, too long for the model,
+                or needing more blocks than the pool has.
+        """
+        prompt = [int(t) for t in prompt_token_ids]
+        mc, cc = self.config.model, self.config.cache
+        if not prompt:
+            raise ValueError("prompt_token_ids: empty prompt")
+        if min(prompt) < 0 or max(prompt) >= mc.vocab_size:
+            raise ValueError(f"prompt_token_ids: ids must be in [0, {mc.vocab_size})")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens: must be >= 1, got {max_tokens}")
+        total = len(prompt) + max_tokens
+        if total > mc.max_model_len:
+            raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceeds "
+                             f"max_model_len ({mc.max_model_len})")
+        if -(-total // cc.block_size) > cc.num_blocks:
+            raise ValueError(f"a request of {total} tokens needs "
+                             f"{-(-total // cc.block_size)} blocks; the pool has "
+                             f"{cc.num_blocks} (raise the pool size)")
+        if cache_salt is None and cc.salt_by_tenant:
+            cache_salt = tenant
+        ns = self._ns_cache.get(cache_salt)
+        if ns is None:
+            ns = self._ns_cache[cache_salt] = namespace_digest(self._namespace, cache_salt)
+        return Request(request_id if request_id is not None else f"req-{next(self._ids)}",
+                       prompt, max_tokens, sampling or SamplingParams(), tenant=tenant,
+                       cache_salt=cache_salt, namespace=ns, workload_class=workload_class)
+
+    def lookup(self, req: Request, arrival_ns: int | None = None) -> dict[str, int]:
+        """The arrival lookup: hash the prompt's blocks and ask each tier what it holds.
+
+        Safe on any thread. Returns the promised tokens per tier (device first, then each
+        tier continuing the chain where the previous one stopped).
+        """
+        req.arrival_ns = self.clock() if arrival_ns is None else arrival_ns
+        self.kv.hash_prompt(req)
+        bs = self.kv.block_size
+        n = self.kv.probe(req)
+        promised = {"device": n * bs}
+        limit = (req.num_tokens - 1) // bs
+        for tier in self.tiers:
+            more = min(tier.lookup(req.block_hashes[:limit], n), limit - n) if n < limit else 0
+            promised[tier.name] = more * bs
+            n += more
+        req.acct.lookup_tokens = lookup_tokens(req.prompt_len, bs)
+        req.acct.host_hit_tokens = promised.get("host", 0)
+        req.acct.remote_hit_tokens = promised.get("remote", 0)
+        req.lookup_done_ns = self.clock()
+        return promised
+
+    def submit(self, req: Request, promised: dict[str, int]) -> None:
+        """Hand a looked-up request to the engine loop. Safe on any thread."""
+        self._inbox.append((req, promised))
+        self._wake.set()
+
+    def add_request(self, prompt_token_ids: Sequence[int], max_tokens: int = 16,
+                    sampling: SamplingParams | None = None, *, tenant: str | None = None,
+                    request_id: str | None = None, cache_salt: str | None = None,
+                    workload_class: str | None = None, arrival_ns: int | None = None) -> str:
+        """Make, look up and submit a request at once; returns its id."""
+        req = self.make_request(prompt_token_ids, max_tokens, sampling, tenant=tenant,
+                                request_id=request_id, cache_salt=cache_salt,
+                                workload_class=workload_class)
+        self.submit(req, self.lookup(req, arrival_ns))
+        return req.request_id
+
+    def _take_arrivals(self) -> None:
+        tel = self.tel
+        inbox = self._inbox
+        while inbox:
+            req, promised = inbox.popleft()
+            req.request_num = tel.arrival(req, promised) if tel else next(self._nums)
+            self.scheduler.add(req)
+
+    def wake(self) -> None:
+        """Wake an engine loop blocked in `wait_for_arrival` (e.g. when arrivals ended)."""
+        self._wake.set()
+
+    def has_unfinished(self) -> bool:
+        return bool(self._inbox) or self.scheduler.has_work()
+
+    def wait_for_arrival(self, timeout: float) -> bool:
+        """Block until a request is submitted (or `timeout` s pass); True if one was."""
+        if self._inbox:
+            return True
+        self._wake.clear()
+        if self._inbox:  # submitted between the check and the clear
+            return True
+        return self._wake.wait(timeout)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        """Run one batched step; returns the requests that finished in it."""
+        self._take_arrivals()
+        sched_ = self.scheduler
+        if not sched_.has_work():
+            return []
+        tel = self.tel
+        clock = self.clock
+        self.stats.steps += 1
+        step_id = tel.next_step() if tel else -1
+        t0 = clock()
+        if tel:
+            tel.phase("schedule", step_id)
+        sched = sched_.schedule()
+        t1 = clock()
+        reqs, num_new = sched.requests, sched.num_new_tokens
+        batch, tokens = len(reqs), sched.total_tokens
+        if sched.preempted:
+            self.stats.preemptions += len(sched.preempted)
+        if tel:
+            tel.phase_end()
+            for victim, lost in zip(sched.preempted, sched.preempted_tokens, strict=True):
+                tel.preempted(victim, lost, t1)
+            tel.scheduled(reqs, t0)
+        if not reqs:  # nothing fits this step (cannot happen with validated requests)
+            return []
+        if tel:
+            tel.phase("prepare", step_id)
+        inp = self.runner.prepare(reqs, num_new)
+        t2 = clock()
+        if tel:
+            tel.phase_end()
+            tel.phase("forward", step_id)
+            mark = tel.begin_forward()
+        logits = self.runner.forward(inp)
+        if tel:
+            tel.end_forward(mark, step_id, batch, tokens)
+            tel.phase_end()
+            tel.phase("sample", step_id)
+        t3 = clock()
+        sampled = self.runner.sample(logits, inp.sampling)
+        t4 = clock()
+        if tel:
+            tel.phase_end()
+        outputs = self._update(reqs, num_new, inp.sampling, sampled, t4)
+        evicted = self.pool.take_evictions()
+        self.stats.evicted_blocks += evicted
+        if tel:
+            tel.step_done(step_id, t0, t1, t2, t3, t4, batch, tokens)
+            tel.pool(self.pool, len(sched_.running), len(sched_.waiting), evicted, t4)
+        return outputs
+
+    def _update(self, reqs: list[Request], num_new: list[int], sampling: list[Request],
+                sampled: list[int], t: int) -> list[RequestOutput]:
+        tel = self.tel
+        for req, n in zip(reqs, num_new, strict=True):
+            req.num_computed_tokens += n
+            if not req.has_first_token:
+                req.acct.recomputed_tokens += n
+                if req.num_computed_tokens < req.num_tokens:
+                    self.stats.partial_prefills += 1
+                    if tel:
+                        tel.chunk_done(req, t)
+        outputs: list[RequestOutput] = []
+        for req, tok in zip(sampling, sampled, strict=True):
+            req.token_ids.append(tok)
+            if not req.has_first_token:
+                req.first_token_ns = t
+                # NOTE: identity at the first token; device_hit and recomputed are final now.
+                assert req.acct.identity_holds(), req
+                if tel:
+                    tel.first_token(req, t)
+            if req.finished:
+                outputs.append(self._finish(req, t))
+        return outputs
+
+    def _finish(self, req: Request, t: int) -> RequestOutput:
+        self.scheduler.finish(req)
+        req.finish_ns = t
+        req.acct.output_tokens = req.num_output_tokens
+        self.stats.finished += 1
+        if self.tel:
+            self.tel.finished(req, t)
+        return RequestOutput(req.request_id, req.request_num, req.token_ids[: req.prompt_len],
+                             req.output_token_ids, req.tenant, req.arrival_ns,
+                             req.first_token_ns, t, req.acct)
+
+    # ------------------------------------------------------------------ conveniences
+    def run_until_done(self) -> list[RequestOutput]:
+        """Step until every submitted request finished; outputs in finishing order."""
+        out: list[RequestOutput] = []
+        while self.has_unfinished():
+            out += self.step()
+        return out
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int = 16,
+                 sampling: SamplingParams | None = None, *,
+                 tenant: str | None = None) -> list[RequestOutput]:
+        """Submit every prompt now and run to completion; outputs in prompt order."""
+        ids = [self.add_request(p, max_tokens, sampling, tenant=tenant) for p in prompts]
+        done = {o.request_id: o for o in self.run_until_done()}
+        return [done[i] for i in ids]
+
+    def abort_all(self) -> list[RequestOutput]:
+        """End every unfinished request with status ``aborted`` (e.g. on Ctrl-C)."""
+        self._take_arrivals()
+        t = self.clock()
+        sched = self.scheduler
+        out = []
+        for req in [*sched.running, *sched.waiting]:
+            if req in sched.running:
+                sched.finish(req)
+            req.finish_ns = t
+            req.acct.output_tokens = req.num_output_tokens
+            if self.tel:
+                self.tel.finished(req, t, status="aborted")
+            out.append(RequestOutput(req.request_id, req.request_num,
+                                     req.token_ids[: req.prompt_len], req.output_token_ids,
+                                     req.tenant, req.arrival_ns, req.first_token_ns, t,
+                                     req.acct))
+        sched.waiting.clear()
+        return out
+
+    def close(self) -> None:
+        """Resolve pending device timings into telemetry (call once, at the end)."""
+        if self.tel:
+            self.tel.close()

@@ -1,0 +1,140 @@
+"""Continuous batching: FCFS admission by free blocks, a token budget, chunked prefill and
+preemption by recompute (vLLM v1's unified scheduler, without priorities or speculation).
+
+Each step first gives running requests their next tokens (one for a decode, the rest of the
+prompt, or as much as the budget allows, for a chunked prefill), oldest first. When the pool has
+no block for one of them, the newest running request is preempted: its blocks are freed and it
+goes back to the head of the waiting queue, to recompute later. Only in a step without
+preemptions are waiting requests admitted, in arrival order, while a running slot, budget and
+blocks remain (FCFS: an old request that does not fit blocks the younger ones).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from instrumented_engine.config import SchedulerConfig
+from instrumented_engine.core.kv_cache_manager import KVCacheManager
+from instrumented_engine.core.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What one step runs.
+
+    Attributes:
+        requests: scheduled requests, in batch order.
+        num_new_tokens: tokens each computes in this step.
+        admitted: requests admitted from the waiting queue in this step (a subset).
+        preempted: requests preempted in this step.
+        preempted_tokens: tokens each of them lost (computed since its admission).
+    """
+
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    preempted_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    """Args:
+        cfg: batching limits.
+        kv: the KV cache manager (block tables over the device pool).
+    """
+
+    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.cfg = cfg
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and their token counts; allocate their blocks."""
+        out = SchedulerOutput()
+        budget = self.cfg.max_num_batched_tokens
+        chunked = self.cfg.enable_chunked_prefill
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = req.num_tokens - req.num_computed_tokens
+            if n > budget:
+                if not chunked:
+                    i += 1
+                    continue
+                n = budget
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running.pop()
+                out.preempted.append(victim)
+                out.preempted_tokens.append(self._preempt(victim))
+                if victim is req:
+                    break
+            else:
+                out.requests.append(req)
+                out.num_new_tokens.append(n)
+                budget -= n
+                i += 1
+                continue
+            break  # `req` itself was preempted: nothing after it is left running
+        if not out.preempted:
+            self._admit(out, budget)
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting[0]
+            # NOTE: the arrival lookup only promised these hits; they are re-validated here
+            # (blocks may have been evicted since, or computed since by a batch-mate).
+            hits = self.kv.get_computed_blocks(req)
+            num_hit = len(hits) * self.kv.block_size
+            n = req.num_tokens - num_hit
+            if n > budget:
+                if not self.cfg.enable_chunked_prefill:
+                    return
+                n = budget
+            if not self.kv.allocate_slots(req, n, hits):
+                return
+            self.waiting.popleft()
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_hit
+            req.admitted_hit_tokens = num_hit
+            if not req.has_first_token:
+                req.acct.device_hit_tokens = num_hit
+                req.acct.recomputed_tokens = 0
+            out.requests.append(req)
+            out.num_new_tokens.append(n)
+            out.admitted.append(req)
+            budget -= n
+
+    def _preempt(self, req: Request) -> int:
+        """Free the request's blocks and requeue it at the head; returns the tokens lost."""
+        self.kv.free(req)
+        # Tokens this request computed since its admission are lost (its full blocks stay
+        # cached-free and may be hit again when it is re-admitted, counted as hits then).
+        lost = req.num_computed_tokens - req.admitted_hit_tokens
+        req.acct.preempted_tokens += lost
+        req.acct.num_preemptions += 1
+        req.num_computed_tokens = 0
+        req.admitted_hit_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(req)
+        return lost
+
+    def finish(self, req: Request) -> None:
+        """Remove a finished request and free its blocks (tail first)."""
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED

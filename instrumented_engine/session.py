@@ -1,0 +1,312 @@
+"""One `kvscope run`: build the engine and workload, export telemetry while it runs, summarise.
+
+    workload ─► RealTimeRunner ─► LLMEngine ─► Recorder ─► TelemetryPipeline ─┬─► run store
+                                                                              └─► /metrics
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from agent.errors import InputError
+from instrumented_engine.config import (
+    DTYPES,
+    MODEL_PRESETS,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+from instrumented_engine.core.request import RequestOutput
+from instrumented_engine.runner import RunResult
+from instrumented_engine.workloads import build_workload
+
+#: Where `kvscope run` serves /metrics by default: not 9090/9100/9400/9464 (Prometheus,
+#: node_exporter, dcgm-exporter, OTel's Prometheus exporter) nor 9477 (`kvscope agent`).
+DEFAULT_METRICS_PORT = 9478
+PROFILE_TRACE = "profile/torch_trace.json"
+
+# Config validation names fields; the CLI user knows them as options.
+_OPTION_NAMES = {
+    "cache.block_size": "--block-size",
+    "cache.num_blocks": "--num-blocks",
+    "scheduler.max_num_seqs": "--max-num-seqs",
+    "scheduler.max_num_batched_tokens": "--max-batched-tokens",
+    "dtype": "--dtype",
+    "device": "--device",
+}
+
+
+@dataclass(slots=True, frozen=True)
+class RunOptions:
+    """Everything `kvscope run` takes (see its --help for meanings)."""
+
+    workload: str = "docqa"
+    num_requests: int = 30
+    seed: int = 0
+    out: Path = Path("runs/run")
+    model: str = "small"
+    block_size: int = 16
+    num_blocks: int = 512
+    max_num_seqs: int = 16
+    max_batched_tokens: int = 512
+    prefix_caching: bool = True
+    rate: float = 4.0
+    device: str = "cpu"
+    dtype: str | None = None
+    metrics_port: int = DEFAULT_METRICS_PORT
+    listen_address: str = "127.0.0.1"
+    profile: bool = False
+    scale: float | None = None
+    time_scale: float = 1.0
+    tenants: int = 1
+    threads: int = 0
+    collectors: bool = True
+
+
+@dataclass(slots=True)
+class RunSummary:
+    """What the command prints, from the finished requests (no pandas)."""
+
+    requests: int
+    finished: int
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    reused_tokens: int
+    lookup_tokens: int
+    prompt_tokens: int
+    recomputed_tokens: int
+    preemptions: int
+    evicted_blocks: int
+    wall_s: float
+    out: str
+    metrics_url: str | None
+
+    def lines(self) -> list[str]:
+        share = self.reused_tokens / self.lookup_tokens * 100 if self.lookup_tokens else 0.0
+        rec = (self.recomputed_tokens / self.prompt_tokens * 100 if self.prompt_tokens
+               else 0.0)
+        return [
+            f"requests     {self.finished:,} / {self.requests:,} finished in {self.wall_s:.1f} s",
+            f"TTFT         p50 {self.ttft_p50_ms:,.1f} ms   p99 {self.ttft_p99_ms:,.1f} ms",
+            f"KV reused    {self.reused_tokens:,} / {self.lookup_tokens:,} lookup tokens "
+            f"({share:.1f} %)",
+            f"recomputed   {self.recomputed_tokens:,} / {self.prompt_tokens:,} prompt tokens "
+            f"({rec:.1f} %)",
+            f"preemptions  {self.preemptions:,}   evicted blocks {self.evicted_blocks:,}",
+            f"run store    {self.out}",
+        ]
+
+
+def summarise(outputs: list[RequestOutput], requests: int, result: RunResult, out: Path,
+              metrics_url: str | None) -> RunSummary:
+    """The summary of a run from its outputs (TTFT percentiles over requests with a first
+    token; token shares with their denominators)."""
+    ttft = np.array([o.ttft_ns for o in outputs if o.first_token_ns >= 0], dtype=np.float64)
+    p50, p99 = (np.percentile(ttft, [50, 99]) / 1e6) if len(ttft) else (math.nan, math.nan)
+    acc = [o.accounting for o in outputs]
+    return RunSummary(
+        requests=requests,
+        finished=len(outputs),
+        ttft_p50_ms=float(p50),
+        ttft_p99_ms=float(p99),
+        reused_tokens=sum(a.device_hit_tokens + a.host_loaded_tokens + a.remote_loaded_tokens
+                          for a in acc),
+        lookup_tokens=sum(a.lookup_tokens for a in acc),
+        prompt_tokens=sum(a.prompt_tokens for a in acc),
+        recomputed_tokens=sum(a.recomputed_tokens for a in acc),
+        preemptions=result.stats.preemptions,
+        evicted_blocks=result.stats.evicted_blocks,
+        wall_s=result.wall_s,
+        out=str(out),
+        metrics_url=metrics_url,
+    )
+
+
+def engine_config(opts: RunOptions, model: ModelConfig) -> EngineConfig:
+    """The engine config of a run; config errors become `InputError`s naming the option."""
+    dtype = opts.dtype or ("bfloat16" if opts.device.startswith("cuda") else "float32")
+    try:
+        return EngineConfig(
+            model=model,
+            cache=CacheConfig(block_size=opts.block_size, num_blocks=opts.num_blocks,
+                              enable_prefix_caching=opts.prefix_caching),
+            scheduler=SchedulerConfig(max_num_seqs=opts.max_num_seqs,
+                                      max_num_batched_tokens=opts.max_batched_tokens),
+            device=opts.device,
+            dtype=dtype,
+        )
+    except ValueError as exc:
+        msg = str(exc)
+        for field, option in _OPTION_NAMES.items():
+            if msg.startswith(field + ":"):
+                msg = option + msg[len(field):]
+                break
+        raise InputError(msg) from None
+
+
+def _check_options(opts: RunOptions) -> None:
+    if opts.dtype is not None and opts.dtype not in DTYPES:
+        raise InputError(f"--dtype: expected one of {', '.join(DTYPES)}, got {opts.dtype!r}")
+    if not 0 <= opts.metrics_port <= 65535:
+        raise InputError(f"--metrics-port: must be in 0..65535 (0 = off), got "
+                         f"{opts.metrics_port}")
+    if opts.threads < 0:
+        raise InputError(f"--threads: must be >= 0 (0 = auto), got {opts.threads}")
+    if opts.device != "cpu":
+        import torch
+
+        if not opts.device.startswith("cuda"):
+            raise InputError(f"--device: expected cpu or cuda[:N], got {opts.device!r}")
+        if not torch.cuda.is_available():
+            raise InputError(f"--device {opts.device}: CUDA is not available on this machine")
+
+
+def _load_model(opts: RunOptions) -> Any:
+    """The checkpoint's model when --model is a directory, None for a preset."""
+    if opts.model in MODEL_PRESETS:
+        return None
+    path = Path(opts.model)
+    if not path.is_dir():
+        raise InputError(f"--model: expected one of {', '.join(MODEL_PRESETS)} or a Hugging "
+                         f"Face checkpoint directory, got {opts.model!r}")
+    from instrumented_engine.model.loader import load_hf_checkpoint
+    from instrumented_engine.model_runner import TORCH_DTYPES
+
+    dtype = opts.dtype or ("bfloat16" if opts.device.startswith("cuda") else "float32")
+    return load_hf_checkpoint(path, dtype=TORCH_DTYPES[dtype], device=opts.device)
+
+
+@contextlib.contextmanager
+def _profiler(enabled: bool, recorder: Any, out: Path) -> Iterator[None]:
+    """Under --profile: a torch profiler around the run, stages as `kvscope.<stage>` ranges."""
+    if not enabled:
+        yield
+        return
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from agent.telemetry.annotate import TorchProfilerAnnotator
+
+    recorder.add_annotator(TorchProfilerAnnotator())
+    acts = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(ProfilerActivity.CUDA)
+    with profile(activities=acts) as prof:
+        yield
+    path = out / PROFILE_TRACE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(path))
+
+
+def run_session(opts: RunOptions, *, on_start: Callable[[int, str | None], None] | None = None,
+                on_finished: Callable[[RequestOutput], None] | None = None) -> RunSummary:
+    """Run one workload against a fresh engine, exporting telemetry; returns the summary.
+
+    Args:
+        opts: the options.
+        on_start: called with (number of requests, metrics URL or None) once running.
+        on_finished: called with each finished request (progress display).
+
+    Raises:
+        InputError: a bad option, workload file or checkpoint (one line, naming it).
+    """
+    _check_options(opts)
+    import torch
+
+    from agent.exporters.pipeline import TelemetryPipeline
+    from agent.exporters.prometheus import PrometheusExporter, serve_metrics
+    from agent.exporters.runstore import RunStoreSink
+    from agent.runstore import RunStoreWriter
+    from agent.telemetry import Recorder
+    from instrumented_engine.engine import LLMEngine
+    from instrumented_engine.runner import RealTimeRunner
+
+    # Small models gain little from intra-op threads, and spinning threads on cores shared
+    # with other processes cost a lot: default to half the cores, at most 4.
+    torch.set_num_threads(opts.threads or max(1, min(4, (os.cpu_count() or 2) // 2)))
+    model = _load_model(opts)
+    model_cfg = model.cfg if model is not None else ModelConfig.preset(opts.model,
+                                                                       seed=opts.seed)
+    arrivals = build_workload(opts.workload, opts.num_requests, seed=opts.seed, rate=opts.rate,
+                              vocab_size=model_cfg.vocab_size, block_size=opts.block_size,
+                              tenants=opts.tenants, scale=opts.scale,
+                              time_scale=opts.time_scale)
+    if model is None:
+        # Random weights: size the RoPE tables to the longest request of the workload.
+        needed = max(len(a.prompt_token_ids) + a.max_tokens for a in arrivals)
+        model_cfg = dataclasses.replace(model_cfg, max_model_len=max(4096, needed))
+    cfg = engine_config(opts, model_cfg)
+    recorder = Recorder()
+    engine = LLMEngine(cfg, model=model, recorder=recorder)
+    runner = RealTimeRunner(engine, arrivals, on_finished=on_finished)
+
+    config = {
+        "engine": dataclasses.asdict(cfg),
+        "tiers": {"device": {"block_size": cfg.cache.block_size,
+                             "num_blocks": cfg.cache.num_blocks,
+                             "kv_bytes_per_block": engine.runner.kv_bytes_per_block}},
+        "workload": {"name": opts.workload, "num_requests": len(arrivals), "seed": opts.seed,
+                     "rate": opts.rate, "tenants": opts.tenants, "scale": opts.scale,
+                     "time_scale": opts.time_scale},
+        "options": {k: (str(v) if isinstance(v, Path) else v)
+                    for k, v in dataclasses.asdict(opts).items()},
+        "torch": {"version": torch.__version__, "threads": torch.get_num_threads()},
+        "pid": os.getpid(),
+    }
+    run_id = uuid.uuid4().hex[:12]
+    prom = PrometheusExporter(recorder, model=cfg.model.model_id, run_id=run_id)
+    server = None
+    if opts.metrics_port:
+        try:
+            server = serve_metrics(prom.registry, port=opts.metrics_port,
+                                   address=opts.listen_address)
+        except OSError as exc:
+            raise InputError(f"--metrics-port {opts.metrics_port}: cannot listen on "
+                             f"{opts.listen_address} ({exc.strerror or exc}); pick another "
+                             "port, or 0 to turn /metrics off") from None
+    url = server.url if server is not None else None
+    result: RunResult | None = None
+    hw = None
+    try:
+        writer = RunStoreWriter(opts.out, config=config, run_id=run_id, anchor=recorder.anchor)
+        sink = RunStoreSink(writer)
+        pipe = TelemetryPipeline(recorder, sinks=[sink, prom], interval_s=0.25).start()
+        if opts.collectors:
+            # Host (and, where present, GPU/NIC/RDMA) samples beside the engine's, in the same
+            # run store, so a slow stretch can be read against what the hardware did.
+            from collectors.runner import CollectorRunner, default_collectors, recorder_sink
+
+            hw = CollectorRunner(default_collectors(watch={"engine": os.getpid()}),
+                                 interval_s=1.0, on_samples=recorder_sink(recorder),
+                                 anchor=recorder.anchor)
+            hw.start()
+        if on_start is not None:
+            on_start(len(arrivals), url)
+        try:
+            with _profiler(opts.profile, recorder, opts.out):
+                result = runner.run()
+        finally:
+            if hw is not None:
+                hw.stop()
+            sink.status = ("error" if result is None
+                           else "aborted" if result.interrupted else "complete")
+            pipe.close()
+    finally:
+        if server is not None:
+            server.shutdown()
+    assert result is not None
+    summary = summarise(result.outputs, len(arrivals), result, opts.out, url)
+    writer.update_meta(summary=dataclasses.asdict(summary),
+                       profile=PROFILE_TRACE if opts.profile else None)
+    return summary

@@ -1,0 +1,135 @@
+"""`kvscope run` end to end: the run store it writes, /metrics while it runs, bad options."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pyarrow.compute as pc
+import pytest
+
+from agent.cli import main
+from agent.runstore import open_run
+from agent.schema import RUN_JSON_KEYS, SCHEMA_VERSION, TABLES
+from agent.telemetry import check_partition
+from instrumented_engine.session import PROFILE_TRACE, RunOptions, run_session
+from tests.conftest import REPO, free_port
+
+
+def _check_store(path: Path, n: int) -> None:
+    """The run store matches agent/schema.py and the telemetry contract."""
+    run = open_run(path)
+    assert run.complete and run.gaps == []
+    assert set(RUN_JSON_KEYS) <= set(run.meta) and run.meta["schema_version"] == SCHEMA_VERSION
+    for name, schema in TABLES.items():
+        assert run.tables[name].schema == schema, name
+    req = run.tables["requests"]
+    assert req.num_rows == n
+    assert pc.all(pc.equal(req["status"], "ok")).as_py()
+    assert check_partition(run.tables["spans"], req) == []
+    lhs = req["prompt_tokens"].to_numpy()
+    rhs = sum(req[c].to_numpy() for c in ("device_hit_tokens", "host_loaded_tokens",
+                                           "remote_loaded_tokens", "recomputed_tokens"))
+    assert (lhs == rhs).all()
+    assert run.tables["layers"].num_rows == n * run.meta["config"]["engine"]["model"][
+        "num_layers"]
+    assert run.tables["samples"].num_rows > 0
+    assert run.meta["config"]["workload"]["num_requests"] == n
+    assert run.meta["telemetry"]["recording_errors"] == 0
+
+
+def test_cli_run_end_to_end(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    env = {**os.environ, "COLUMNS": "120"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "agent.cli", "run", "--workload", "docqa", "--num-requests", "6",
+         "--rate", "0", "--model", "tiny", "--out", str(out), "--metrics-port", "0", "-q",
+         "--threads", "1"],
+        capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("requests     6 / 6 finished in ")
+    assert lines[2].startswith("KV reused    ") and "lookup tokens (" in lines[2]
+    _check_store(out, 6)
+    run = open_run(out)
+    assert {"pool", "host"} <= set(run.samples["source"])  # engine and collector samples
+    summary = run.meta["summary"]
+    assert summary["finished"] == 6 and summary["lookup_tokens"] > summary["reused_tokens"] > 0
+    assert f"{summary['reused_tokens']:,} / {summary['lookup_tokens']:,} lookup tokens" in (
+        lines[2])
+
+
+def test_metrics_are_served_while_running(tmp_path: Path) -> None:
+    port = free_port()
+    urls: list[str | None] = []
+    scraped: list[str] = []
+
+    def scrape(_out: object) -> None:  # on the engine thread, after a request finished
+        if not scraped:
+            with urllib.request.urlopen(urls[0], timeout=10) as resp:
+                scraped.append(resp.read().decode())
+
+    opts = RunOptions(workload="chat", num_requests=5, rate=0, model="tiny",
+                      out=tmp_path / "run", metrics_port=port, threads=1, collectors=False)
+    summary = run_session(opts, on_start=lambda _n, url: urls.append(url), on_finished=scrape)
+    assert urls == [f"http://127.0.0.1:{port}/metrics"] == [summary.metrics_url]
+    text = scraped[0]
+    assert "kvscope_build_info{" in text
+    for state in ("in_use", "cached_free", "empty"):
+        assert (f'kvscope_block_pool_blocks{{model="kvscope/tiny",state="{state}",'
+                f'tier="device"}}') in text
+    assert 'kvscope_requests_running{model="kvscope/tiny"}' in text
+    assert summary.finished == 5
+    _check_store(tmp_path / "run", 5)
+    assert set(open_run(tmp_path / "run").samples["source"]) == {"pool"}  # --no-collectors
+    with pytest.raises(OSError):  # the server is gone after the run
+        urllib.request.urlopen(summary.metrics_url, timeout=2)
+
+
+def test_profile_writes_a_trace_with_kvscope_ranges(tmp_path: Path) -> None:
+    opts = RunOptions(workload="docqa", num_requests=2, rate=0, model="tiny",
+                      out=tmp_path / "run", metrics_port=0, profile=True, threads=1)
+    run_session(opts)
+    path = tmp_path / "run" / PROFILE_TRACE
+    raw = path.read_bytes()
+    data = json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
+    names = {e.get("name") for e in data["traceEvents"]}
+    assert {"kvscope.lookup", "kvscope.queue", "kvscope.prefill", "kvscope.decode",
+            "kvscope.forward", "kvscope.schedule"} <= names
+    assert open_run(tmp_path / "run").meta["profile"] == PROFILE_TRACE
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--workload", "nope"], "--workload: expected one of docqa, chat, trace:PATH"),
+    (["--block-size", "0"], "--block-size: must be in [1, 4096], got 0"),
+    (["--num-blocks", "2"], "needs "),
+    (["--metrics-port", "70000"], "--metrics-port: must be in 0..65535"),
+    (["--model", "huge"], "--model: expected one of tiny, small, medium"),
+    (["--device", "tpu"], "--device: expected cpu or cuda"),
+    (["--dtype", "int8"], "--dtype: expected one of"),
+    (["--workload", "trace:/no/such.jsonl"], "no such trace file"),
+])
+def test_bad_options_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                         args: list[str], message: str) -> None:
+    out = tmp_path / "run"
+    rc = main(["run", "--model", "tiny", "-n", "2", "--metrics-port", "0", "-q", "--out",
+               str(out), *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert len(err) == 1 and err[0].startswith("kvscope: error: ") and message in err[0]
+    assert not (out / "run.json").exists()  # nothing half-written
+
+
+def test_existing_run_directory_is_refused(tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "run.json").write_text("{}")
+    rc = main(["run", "--model", "tiny", "-n", "1", "--metrics-port", "0", "-q", "--out",
+               str(out)])
+    assert rc == 2 and "already holds a run" in capsys.readouterr().err
