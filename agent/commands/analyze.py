@@ -27,9 +27,9 @@ def analyze(
 ) -> None:
     """Where did TTFT go, stage by stage, and where did each prompt token's KV come from?
 
-    Prints the per-stage TTFT breakdown (p50/p90/p99 and share), the token accounting with its
-    denominators, the measured prefill rate and the time reuse saved, the per-layer table and
-    the partition/identity checks. `--format json` is stable (see analyzers.report.render_json).
+    Leads with the per-stage TTFT breakdown (p50/p90/p99 and share), then the accounting.
+    Also: the measured prefill rate, the time reuse saved, per-layer table and the checks.
+    Ratios print numerator / denominator (unit). --format json is a stable layout.
     """
     from agent.errors import InputError
 

@@ -23,8 +23,11 @@ def compare(
                                help="Bootstrap replicates per confidence interval."),
     seed: int = typer.Option(0, "--seed", help="Bootstrap seed (same seed, same intervals)."),
 ) -> None:
-    """Compare run B against baseline A: per-stage p50/p99 changes with 95 % bootstrap
-    intervals, accounting changes, and a verdict naming the stage that moved most."""
+    """Compare run B against baseline A: which TTFT stage moved, and by how much.
+
+    Per-stage p50/p99 changes with 95 % bootstrap intervals, accounting changes,
+    and a verdict naming the stage that moved most. --format json is a stable layout.
+    """
     from agent.errors import InputError
 
     if fmt not in FORMATS:

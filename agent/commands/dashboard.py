@@ -39,7 +39,8 @@ def streamlit_argv(runs: list[Path], *, port: int, address: str) -> list[str]:
 
 def dashboard(
     runs: list[Path] = typer.Argument(
-        ..., help="Run directories or trace files (two or more add the Compare page)."),
+        ..., metavar="RUN",
+        help="Run directories or trace files (two or more add the Compare page)."),
     port: int = typer.Option(DEFAULT_PORT, "--port", "-p", help="Port to serve on."),
     listen_address: str = typer.Option(
         "127.0.0.1", "--listen-address",

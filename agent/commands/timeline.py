@@ -16,18 +16,21 @@ def timeline(
         help="Keep only START:END seconds since the run's start (either side may be empty)."),
     merge: list[Path] | None = typer.Option(
         None, "--merge",
-        help="A Kineto (PyTorch profiler) trace, .json or .json.gz, to place on the same "
-             "clock; repeatable."),
+        help="A Kineto (PyTorch profiler) trace (.json or .json.gz) or an Nsight Systems "
+             "SQLite export (nsys export --type sqlite) to place on the same clock; the format "
+             "is detected from the content; repeatable."),
 ) -> None:
     """Write a Chrome/Perfetto trace: a track per request with its stages, step phases,
-    transfers, flows to the requests that waited on them, and collector counters.
+    transfers on lanes, flows to the requests that waited on them, and collector counters.
 
     Open it in https://ui.perfetto.dev or chrome://tracing.
     """
     from dashboard.timeline import Window, write_trace
 
     win = Window.parse(window) if window is not None else None
-    counts = write_trace(run, out, window=win, merge=merge or ())
-    total = sum(counts.values())
-    detail = ", ".join(f"{ph}={n}" for ph, n in sorted(counts.items()))
+    summary = write_trace(run, out, window=win, merge=merge or ())
+    total = sum(summary.counts.values())
+    detail = ", ".join(f"{ph}={n}" for ph, n in sorted(summary.counts.items()))
     typer.echo(f"wrote {out}: {total} events ({detail})")
+    for note in summary.notes:
+        typer.echo(f"kvscope: note: {note}", err=True)

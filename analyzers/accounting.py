@@ -1,0 +1,459 @@
+"""Token accounting (DESIGN.md section 2): where each prompt token's KV came from, with every
+ratio carried as numerator / denominator (unit), never as a bare percentage.
+
+The population is the requests that produced a first token (the identity
+``prompt = device_hit + host_loaded + remote_loaded + recomputed`` is defined for them);
+requests that failed before it are counted apart. Also here: the per-layer table, the identity
+check that names offending requests, and the run's measured prefill rate with the prefill time
+that reuse saved (`prefill_rate` is what ``kvscope plan --from-run`` uses).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from agent.schema import ACCOUNTING_COLUMNS, LOAD_FAIL_REASONS, TOKEN_SOURCES
+from analyzers import frames as F
+from analyzers.ratios import Ratio
+
+__all__ = [
+    "PrefillRate",
+    "Ratio",
+    "SecondsSaved",
+    "TokenAccounting",
+    "check_identity",
+    "layer_table",
+    "prefill_rate",
+    "prefill_seconds_saved",
+    "token_accounting",
+]
+
+_SOURCE_COLUMNS = tuple(f"{s}_tokens" for s in TOKEN_SOURCES)
+
+
+@dataclass(slots=True, frozen=True)
+class TokenAccounting:
+    """What `token_accounting` returns.
+
+    Attributes:
+        requests: requests that produced a first token (the population).
+        without_first_token: requests that failed before their first token (excluded).
+        totals: the accounting columns summed over the population.
+        ratios: every ratio, request-, token- and byte-level (see `Ratio.key` for the names).
+        tiers: per tier (device, host, remote): ``promised_tokens, loaded_tokens,
+            shortfall_tokens, read_bytes, written_bytes, requests_loading``.
+        failures: per load-failure reason: ``tokens`` and ``requests``.
+        identity_violations: the output of `check_identity` (empty when all holds).
+        groups: with ``by``: per group the numerators and denominators of the main shares.
+    """
+
+    requests: int
+    without_first_token: int
+    totals: dict[str, int]
+    ratios: list[Ratio]
+    tiers: pd.DataFrame
+    failures: pd.DataFrame
+    identity_violations: pd.DataFrame
+    groups: pd.DataFrame | None = None
+
+    def ratio(self, key: str) -> Ratio:
+        """The ratio named `key` (KeyError if there is none)."""
+        for r in self.ratios:
+            if r.key == key:
+                return r
+        raise KeyError(key)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form: ``{requests, without_first_token, totals, ratios: [Ratio.to_dict],
+        tiers: [row], failures: [row], identity_violations: [row], groups: [row] | null}``."""
+        from analyzers.ttft_summary import records
+
+        return {
+            "requests": self.requests,
+            "without_first_token": self.without_first_token,
+            "totals": dict(self.totals),
+            "ratios": [r.to_dict() for r in self.ratios],
+            "tiers": records(self.tiers),
+            "failures": records(self.failures),
+            "identity_violations": records(self.identity_violations),
+            "groups": None if self.groups is None else records(self.groups),
+        }
+
+
+def _served(requests: pd.DataFrame) -> np.ndarray:
+    return F.valid(requests["first_token_ns"])
+
+
+def _matrix(requests: pd.DataFrame) -> dict[str, np.ndarray]:
+    return {c: (F.ints(requests[c], 0) if c in requests else np.zeros(len(requests), np.int64))
+            for c in ACCOUNTING_COLUMNS}
+
+
+def token_accounting(requests: pd.DataFrame, by: str | Sequence[str] | None = None
+                     ) -> TokenAccounting:
+    """Token, byte and request accounting of a run.
+
+    Args:
+        requests: the run store's ``requests`` frame.
+        by: optional grouping column(s) (e.g. ``tenant``) for the `groups` table.
+
+    Returns:
+        a `TokenAccounting`.
+    """
+    F.require_columns(requests, ("request_id", "first_token_ns"), "requests")
+    served = _served(requests)
+    full = _matrix(requests)
+    cols = {c: v[served] for c, v in full.items()}
+    tot = {c: int(v.sum()) for c, v in cols.items()}
+    unknown = _unknown_columns(requests, served)
+    n = int(served.sum())
+    reused = cols["device_hit_tokens"] + cols["host_loaded_tokens"] + cols["remote_loaded_tokens"]
+    lookup = tot["lookup_tokens"]
+    promised = tot["host_hit_tokens"] + tot["remote_hit_tokens"]
+    computed = tot["recomputed_tokens"] + tot["preempted_tokens"]
+    reads = tot["host_read_bytes"] + tot["remote_read_bytes"]
+    loaded = tot["host_loaded_tokens"] + tot["remote_loaded_tokens"]
+
+    def req(key: str, label: str, mask: np.ndarray) -> Ratio:
+        return Ratio(key, label, int(mask.sum()), n, "requests", "request")
+
+    def tok(key: str, label: str, num: int, den: int, unit: str, tier: str | None = None
+            ) -> Ratio:
+        return Ratio(key, label, num, den, unit, "token", tier=tier)
+
+    lookup_positive = cols["lookup_tokens"] > 0
+    ratios = [
+        req("requests_with_hit", "requests that reused any KV", reused > 0),
+        req("requests_full_hit", "requests that reused every lookup token",
+            lookup_positive & (reused >= cols["lookup_tokens"])),
+        req("requests_cold", "requests that reused nothing", reused == 0),
+        req("requests_device_hit", "requests with device hits", cols["device_hit_tokens"] > 0),
+        req("requests_host_loaded", "requests that loaded from host",
+            cols["host_loaded_tokens"] > 0),
+        req("requests_remote_loaded", "requests that loaded from remote",
+            cols["remote_loaded_tokens"] > 0),
+        req("requests_load_failed", "requests with a failed load",
+            cols["load_failed_tokens"] > 0),
+        req("requests_preempted", "requests preempted", cols["num_preemptions"] > 0),
+        Ratio("requests_without_first_token", "requests that failed before a first token",
+              len(requests) - n, len(requests), "requests", "request"),
+        tok("token_hit_share", "token hit share (KV reused)", int(reused.sum()), lookup,
+            "lookup tokens"),
+        tok("device_hit_share", "device hits", tot["device_hit_tokens"], lookup,
+            "lookup tokens", "device"),
+        tok("host_loaded_share", "loaded from host", tot["host_loaded_tokens"], lookup,
+            "lookup tokens", "host"),
+        tok("remote_loaded_share", "loaded from remote", tot["remote_loaded_tokens"], lookup,
+            "lookup tokens", "remote"),
+        tok("host_promised_share", "promised by host", tot["host_hit_tokens"], lookup,
+            "lookup tokens", "host"),
+        tok("remote_promised_share", "promised by remote", tot["remote_hit_tokens"], lookup,
+            "lookup tokens", "remote"),
+        tok("host_load_yield", "host promises loaded", tot["host_loaded_tokens"],
+            tot["host_hit_tokens"], "promised host tokens", "host"),
+        tok("remote_load_yield", "remote promises loaded", tot["remote_loaded_tokens"],
+            tot["remote_hit_tokens"], "promised remote tokens", "remote"),
+        tok("load_failed_share", "promised tokens that failed to load",
+            tot["load_failed_tokens"], promised, "promised tokens"),
+        *(tok(f"load_failed_{r}_share", f"failed: {r.replace('_', ' ')}",
+              tot[f"load_failed_{r}_tokens"], promised, "promised tokens")
+          for r in LOAD_FAIL_REASONS),
+        *(tok(f"prompt_{s}", f"prompt tokens {s.replace('_', ' ')}", tot[f"{s}_tokens"],
+              tot["prompt_tokens"], "prompt tokens") for s in TOKEN_SOURCES),
+        tok("preemption_waste", "computed tokens thrown away by preemption",
+            tot["preempted_tokens"], computed, "computed tokens"),
+        Ratio("remote_read_byte_share", "bytes read from remote", tot["remote_read_bytes"],
+              reads, "bytes read", "byte", tier="remote"),
+        Ratio("h2d_bytes_per_loaded_token", "H2D bytes per loaded token", tot["h2d_bytes"],
+              loaded, "loaded tokens", "byte", numerator_unit="bytes"),
+        Ratio("remote_read_bytes_per_remote_token", "remote bytes read per remote-loaded token",
+              tot["remote_read_bytes"], tot["remote_loaded_tokens"], "remote-loaded tokens",
+              "byte", tier="remote", numerator_unit="bytes"),
+    ]
+    # Imported runs may not carry some counts at all (null, not 0): no ratio is made from them.
+    ratios = [r for r in ratios if not (_RATIO_INPUTS.get(r.key, ()) and
+                                        set(_RATIO_INPUTS[r.key]) & unknown)]
+    return TokenAccounting(
+        requests=n,
+        without_first_token=len(requests) - n,
+        totals={c: v for c, v in tot.items() if c not in unknown},
+        ratios=ratios,
+        tiers=_tiers(cols),
+        failures=pd.DataFrame({
+            "reason": list(LOAD_FAIL_REASONS),
+            "tokens": [tot[f"load_failed_{r}_tokens"] for r in LOAD_FAIL_REASONS],
+            "requests": [int((cols[f"load_failed_{r}_tokens"] > 0).sum())
+                         for r in LOAD_FAIL_REASONS],
+        }),
+        identity_violations=_identity(requests, full, served),
+        groups=None if by is None else _groups(requests.loc[served], by),
+    )
+
+
+_REUSED = ("device_hit_tokens", "host_loaded_tokens", "remote_loaded_tokens")
+_PROMISED = ("host_hit_tokens", "remote_hit_tokens")
+#: The accounting columns each ratio is made from (a ratio is left out when one is unknown).
+_RATIO_INPUTS: dict[str, tuple[str, ...]] = {
+    "requests_with_hit": _REUSED,
+    "requests_full_hit": (*_REUSED, "lookup_tokens"),
+    "requests_cold": _REUSED,
+    "requests_device_hit": ("device_hit_tokens",),
+    "requests_host_loaded": ("host_loaded_tokens",),
+    "requests_remote_loaded": ("remote_loaded_tokens",),
+    "requests_load_failed": ("load_failed_tokens",),
+    "requests_preempted": ("num_preemptions",),
+    "token_hit_share": (*_REUSED, "lookup_tokens"),
+    "device_hit_share": ("device_hit_tokens", "lookup_tokens"),
+    "host_loaded_share": ("host_loaded_tokens", "lookup_tokens"),
+    "remote_loaded_share": ("remote_loaded_tokens", "lookup_tokens"),
+    "host_promised_share": ("host_hit_tokens", "lookup_tokens"),
+    "remote_promised_share": ("remote_hit_tokens", "lookup_tokens"),
+    "host_load_yield": ("host_loaded_tokens", "host_hit_tokens"),
+    "remote_load_yield": ("remote_loaded_tokens", "remote_hit_tokens"),
+    "load_failed_share": ("load_failed_tokens", *_PROMISED),
+    **{f"load_failed_{r}_share": (f"load_failed_{r}_tokens", *_PROMISED)
+       for r in LOAD_FAIL_REASONS},
+    **{f"prompt_{s}": (f"{s}_tokens", "prompt_tokens") for s in TOKEN_SOURCES},
+    "preemption_waste": ("preempted_tokens", "recomputed_tokens"),
+    "remote_read_byte_share": ("host_read_bytes", "remote_read_bytes"),
+    "h2d_bytes_per_loaded_token": ("h2d_bytes", "host_loaded_tokens", "remote_loaded_tokens"),
+    "remote_read_bytes_per_remote_token": ("remote_read_bytes", "remote_loaded_tokens"),
+}
+
+
+def _unknown_columns(requests: pd.DataFrame, served: np.ndarray) -> set[str]:
+    """Accounting columns the input does not carry: absent, or null for every served request."""
+    out = set()
+    for c in ACCOUNTING_COLUMNS:
+        if c not in requests or (served.any() and not F.valid(requests[c])[served].any()):
+            out.add(c)
+    return out
+
+
+def _tiers(cols: dict[str, np.ndarray]) -> pd.DataFrame:
+    dev = cols["device_hit_tokens"]
+    promised = [dev, cols["host_hit_tokens"], cols["remote_hit_tokens"]]
+    loaded = [dev, cols["host_loaded_tokens"], cols["remote_loaded_tokens"]]
+    zero = np.zeros_like(dev)
+    read = [zero, cols["host_read_bytes"], cols["remote_read_bytes"]]
+    written = [zero, cols["host_written_bytes"], cols["remote_written_bytes"]]
+    return pd.DataFrame({
+        "tier": ["device", "host", "remote"],
+        "promised_tokens": [int(p.sum()) for p in promised],
+        "loaded_tokens": [int(x.sum()) for x in loaded],
+        # Per request, so that one request loading more than promised cannot hide another's
+        # shortfall.
+        "shortfall_tokens": [int(np.maximum(p - x, 0).sum())
+                             for p, x in zip(promised, loaded, strict=True)],
+        "read_bytes": [int(x.sum()) for x in read],
+        "written_bytes": [int(x.sum()) for x in written],
+        "requests_loading": [int((x > 0).sum()) for x in loaded],
+    })
+
+
+def _groups(served: pd.DataFrame, by: str | Sequence[str]) -> pd.DataFrame:
+    by_l = [by] if isinstance(by, str) else list(by)
+    F.require_columns(served, by_l, "requests")
+    cols = _matrix(served)
+    df = pd.DataFrame({c: cols[c] for c in ("prompt_tokens", "lookup_tokens",
+                                            *_SOURCE_COLUMNS, "load_failed_tokens",
+                                            "preempted_tokens")}, index=served.index)
+    df["reused_tokens"] = (df["device_hit_tokens"] + df["host_loaded_tokens"]
+                           + df["remote_loaded_tokens"])
+    keys = [served[c].astype(object).where(served[c].notna(), "(none)") for c in by_l]
+    g = df.groupby(keys, sort=True, observed=True)
+    out = g.sum()
+    out.insert(0, "requests", g.size())
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out["token_hit_share"] = out["reused_tokens"] / out["lookup_tokens"].where(
+            out["lookup_tokens"] > 0)
+    return out.reset_index()
+
+
+def check_identity(requests: pd.DataFrame) -> pd.DataFrame:
+    """Requests whose accounting breaks a rule of DESIGN.md section 2.
+
+    Checked for requests with a first token: ``prompt = device_hit + host_loaded +
+    remote_loaded + recomputed``; ``load_failed`` equals the sum of its reasons; for every
+    request: no negative count; ``lookup_tokens <= prompt_tokens - 1`` (when there is a prompt).
+
+    Returns:
+        DataFrame ``request_id, check, expected, actual`` (one row per broken rule; empty when
+        everything holds).
+    """
+    F.require_columns(requests, ("request_id", "first_token_ns"), "requests")
+    return _identity(requests, _matrix(requests), _served(requests))
+
+
+def _identity(requests: pd.DataFrame, cols: dict[str, np.ndarray], served: np.ndarray
+              ) -> pd.DataFrame:
+    """`check_identity` on already extracted columns (one row per request)."""
+    sources = sum(cols[c] for c in _SOURCE_COLUMNS)
+    reasons = sum(cols[f"load_failed_{r}_tokens"] for r in LOAD_FAIL_REASONS)
+    negative = np.zeros(len(requests), dtype=np.int64)
+    for c in ACCOUNTING_COLUMNS:
+        negative += cols[c] < 0
+    prompt = cols["prompt_tokens"]
+    checks = [
+        ("prompt = device_hit + host_loaded + remote_loaded + recomputed", served,
+         prompt, sources),
+        ("load_failed = sum of reasons", np.ones(len(requests), bool),
+         cols["load_failed_tokens"], reasons),
+        ("no negative counts", np.ones(len(requests), bool), np.zeros_like(negative), negative),
+        ("lookup_tokens <= prompt_tokens - 1", prompt > 0, np.minimum(cols["lookup_tokens"],
+                                                                      prompt - 1),
+         cols["lookup_tokens"]),
+    ]
+    frames = []
+    for name, applies, expected, actual in checks:
+        bad = applies & (expected != actual)
+        if bad.any():
+            ids = requests["request_id"].to_numpy()[bad]  # few rows: only the offenders
+            frames.append(pd.DataFrame({"request_id": ids, "check": name,
+                                        "expected": expected[bad], "actual": actual[bad]}))
+    if not frames:
+        return pd.DataFrame({"request_id": pd.Series([], dtype=object),
+                             "check": pd.Series([], dtype=object),
+                             "expected": pd.Series([], dtype=np.int64),
+                             "actual": pd.Series([], dtype=np.int64)})
+    return pd.concat(frames, ignore_index=True)
+
+
+def layer_table(layers: pd.DataFrame) -> pd.DataFrame:
+    """Per layer: tokens by source with ``prompt_tokens`` as the denominator, load and wait time.
+
+    Args:
+        layers: the run store's ``layers`` frame.
+
+    Returns:
+        DataFrame ``layer, requests, prompt_tokens, hit_tokens, loaded_tokens,
+        recomputed_tokens, hit_share, loaded_share, recomputed_share, load_ns, wait_ns,
+        wait_mean_ns, identity_violations`` (rows where hit + loaded + recomputed differs from
+        prompt, e.g. a sliding-window layer group that keeps fewer tokens).
+    """
+    cols = ["hit_tokens", "loaded_tokens", "recomputed_tokens", "prompt_tokens", "load_ns",
+            "wait_ns"]
+    F.require_columns(layers, ["layer", *cols], "layers")
+    df = pd.DataFrame({c: F.ints(layers[c], 0) for c in cols})
+    df["layer"] = F.ints(layers["layer"], -1)
+    df["identity_violations"] = (df["hit_tokens"] + df["loaded_tokens"]
+                                 + df["recomputed_tokens"] != df["prompt_tokens"]).astype(np.int64)
+    g = df.groupby("layer", sort=True)
+    out = g[[*cols, "identity_violations"]].sum()
+    out.insert(0, "requests", g.size())
+    den = out["prompt_tokens"].where(out["prompt_tokens"] > 0)
+    for c in ("hit", "loaded", "recomputed"):
+        out[f"{c}_share"] = out[f"{c}_tokens"] / den
+    out["wait_mean_ns"] = out["wait_ns"] / out["requests"]
+    out = out.reset_index()
+    return out[["layer", "requests", "prompt_tokens", "hit_tokens", "loaded_tokens",
+                "recomputed_tokens", "hit_share", "loaded_share", "recomputed_share", "load_ns",
+                "wait_ns", "wait_mean_ns", "identity_violations"]]
+
+
+@dataclass(slots=True, frozen=True)
+class PrefillRate:
+    """The run's measured prefill rate: recomputed tokens per second of ``prefill`` stage time.
+
+    Measured over requests with a first token, no preemption (their thrown-away work would
+    blur the rate) and some prefill time. It is a per-request rate (the wall time each request
+    spent in prefill), the figure that converts tokens into TTFT seconds.
+    """
+
+    tokens_per_s: float
+    recomputed_tokens: int
+    prefill_seconds: float
+    requests: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tokens_per_s": self.tokens_per_s, "recomputed_tokens": self.recomputed_tokens,
+                "prefill_seconds": self.prefill_seconds, "requests": self.requests}
+
+
+def prefill_rate(requests: pd.DataFrame, spans: pd.DataFrame,
+                 part: pd.DataFrame | None = None) -> PrefillRate:
+    """Measure the prefill rate of a run.
+
+    Args:
+        requests, spans: the run store's frames.
+        part: the run's partition if already computed (saves recomputing it).
+
+    Returns:
+        a `PrefillRate` (``tokens_per_s`` is NaN when no request qualifies).
+    """
+    if part is None:
+        from analyzers.ttft import partition
+
+        part = partition(requests, spans)
+    prefill = F.ints(part["prefill_ns"], 0)
+    recomputed = (F.ints(requests["recomputed_tokens"], 0) if "recomputed_tokens" in requests
+                  else np.zeros(len(requests), np.int64))
+    preempted = (F.ints(requests["num_preemptions"], 0) if "num_preemptions" in requests
+                 else np.zeros(len(requests), np.int64))
+    use = F.valid(part["ttft_ns"]) & (preempted == 0) & (prefill > 0)
+    tokens = int(recomputed[use].sum())
+    seconds = int(prefill[use].sum()) / 1e9
+    rate = tokens / seconds if seconds > 0 else float("nan")
+    return PrefillRate(tokens_per_s=rate, recomputed_tokens=tokens, prefill_seconds=seconds,
+                       requests=int(use.sum()))
+
+
+@dataclass(slots=True, frozen=True)
+class SecondsSaved:
+    """Prefill time that reuse saved, estimated at the run's own prefill rate.
+
+    ``gross_seconds`` = reused tokens / rate (a linear estimate: attention's quadratic term
+    makes long prefixes somewhat dearer to recompute than this says). ``load_seconds`` is the
+    TTFT time the run spent getting that KV (remote_read + h2d + sync), when a partition was
+    given; ``net_seconds`` = gross - load.
+    """
+
+    tokens_per_s: float
+    reused_tokens: int
+    by_source: dict[str, dict[str, float]] = field(default_factory=dict)
+    gross_seconds: float = 0.0
+    load_seconds: float | None = None
+    net_seconds: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tokens_per_s": self.tokens_per_s, "reused_tokens": self.reused_tokens,
+                "by_source": self.by_source, "gross_seconds": self.gross_seconds,
+                "load_seconds": self.load_seconds, "net_seconds": self.net_seconds}
+
+
+def prefill_seconds_saved(requests: pd.DataFrame, rate: PrefillRate,
+                          part: pd.DataFrame | None = None) -> SecondsSaved:
+    """Estimate the prefill seconds that KV reuse saved in a run.
+
+    Args:
+        requests: the run store's ``requests`` frame.
+        rate: the run's `prefill_rate`.
+        part: the run's partition, to subtract the time spent loading.
+
+    Returns:
+        a `SecondsSaved`.
+    """
+    served = _served(requests)
+    cols = _matrix(requests)
+    tps = rate.tokens_per_s
+    ok = bool(np.isfinite(tps) and tps > 0)
+    by_source = {}
+    reused = 0
+    for s in ("device_hit", "host_loaded", "remote_loaded"):
+        t = int(cols[f"{s}_tokens"][served].sum())
+        reused += t
+        by_source[s] = {"tokens": t, "seconds": t / tps if ok else float("nan")}
+    gross = reused / tps if ok else float("nan")
+    load = net = None
+    if part is not None:
+        load_ns = sum(int(F.ints(part[f"{s}_ns"], 0).sum()) for s in ("remote_read", "h2d",
+                                                                         "sync"))
+        load = load_ns / 1e9
+        net = gross - load
+    return SecondsSaved(tokens_per_s=tps, reused_tokens=reused, by_source=by_source,
+                        gross_seconds=gross, load_seconds=load, net_seconds=net)

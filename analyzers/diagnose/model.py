@@ -1,0 +1,369 @@
+"""The vocabulary of the diagnoses: findings, thresholds, what a rule sees, how numbers read.
+
+A rule is a function ``(Context) -> Finding | NotEvaluated | None``: a finding when it fires,
+a `NotEvaluated` when the run lacks what it needs (say why, never guess), None when it was
+evaluated and found nothing. Every number a finding prints carries its numerator, denominator
+and unit (DESIGN.md section 2).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import pandas as pd
+
+from analyzers import frames as F
+
+if TYPE_CHECKING:
+    from analyzers.accounting import PrefillRate, TokenAccounting
+    from analyzers.ttft_summary import TTFTSummary
+
+Severity = Literal["critical", "warning", "info"]
+SEVERITIES: tuple[Severity, ...] = ("critical", "warning", "info")
+
+
+@dataclass(slots=True, frozen=True)
+class Finding:
+    """One diagnosis.
+
+    Attributes:
+        rule: stable id (JSON, tests, suppressions), e.g. ``remote_load_slower_than_recompute``.
+        severity: ``critical``, ``warning`` or ``info``.
+        title: one line saying what is wrong.
+        evidence: sentences whose every number has its numerator, denominator and unit.
+        next_step: the next experiment to try (a flag or a setting).
+        metrics: the raw numbers behind the evidence (JSON-ready scalars).
+        requests: a few example request ids, worst first.
+    """
+
+    rule: str
+    severity: Severity
+    title: str
+    evidence: tuple[str, ...]
+    next_step: str
+    metrics: dict[str, Any] = field(default_factory=dict)
+    requests: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.severity not in SEVERITIES:
+            raise ValueError(f"severity: expected one of {', '.join(SEVERITIES)}, got "
+                             f"{self.severity!r}")
+        # Lists are accepted for convenience; stored as tuples so the finding stays immutable.
+        object.__setattr__(self, "evidence", tuple(self.evidence))
+        object.__setattr__(self, "requests", tuple(self.requests))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: ``{rule, severity, title, evidence, next_step, metrics, requests}``."""
+        return {"rule": self.rule, "severity": self.severity, "title": self.title,
+                "evidence": list(self.evidence), "next_step": self.next_step,
+                "metrics": {k: _json(v) for k, v in self.metrics.items()},
+                "requests": list(self.requests)}
+
+
+@dataclass(slots=True, frozen=True)
+class NotEvaluated:
+    """A rule that could not be evaluated on this run, and why (one sentence)."""
+
+    rule: str
+    reason: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"rule": self.rule, "reason": self.reason}
+
+
+def _json(v: Any) -> Any:
+    if isinstance(v, np.integer):
+        return int(v)
+    if isinstance(v, (float, np.floating)):
+        return None if not math.isfinite(float(v)) else float(v)
+    if isinstance(v, np.bool_):
+        return bool(v)
+    if isinstance(v, dict):
+        return {k: _json(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_json(x) for x in v]
+    return v
+
+
+def _fraction(name: str, v: float, *, open_low: bool = True) -> None:
+    ok = (0.0 < v <= 1.0) if open_low else (0.0 <= v <= 1.0)
+    if not ok:
+        rng = "(0, 1]" if open_low else "[0, 1]"
+        raise ValueError(f"DiagnoseConfig.{name}: expected a fraction in {rng}, got {v!r}")
+
+
+@dataclass(slots=True, frozen=True)
+class DiagnoseConfig:
+    """Thresholds of the rules (fractions are shares of a denominator each rule names).
+
+    Attributes:
+        examples: example request ids per finding.
+        min_requests: requests with a first token needed before tail percentiles are judged.
+        remote_slower_share / _critical: share of remote-loading requests whose load took
+            longer than recomputing the same tokens, to warn / to call critical.
+        hit_requests_share_min: request-level hit share at or above which ...
+        hit_tokens_share_max: ... a token-level hit share at or below this is a finding.
+        queue_p99_share / _critical: queue share of TTFT among requests at or above p99 TTFT.
+        sync_share / _critical: sync share of summed TTFT.
+        storm_window_ns: window of the recompute-storm rule (None: about ten windows per run).
+        storm_factor: a window whose recomputed tokens/s is at least this many times the
+            run's median window is a spike.
+        storm_min_windows: windows needed for a median to mean anything.
+        h2d_link_fraction / _critical: achieved H2D bandwidth below this fraction of the PCIe
+            link's data rate is a finding.
+        h2d_min_bytes: fewer copied bytes than this are too few to judge bandwidth.
+        nic_imbalance_ratio: max/min per-NIC receive rate during remote reads.
+        nic_min_bytes_per_s: a NIC whose receive rate never reaches this is idle (ignored).
+        evicted_share: promised host/remote tokens lost to eviction before admission.
+        other_share / _critical: ``other`` share of summed TTFT.
+    """
+
+    examples: int = 5
+    min_requests: int = 10
+    remote_slower_share: float = 0.10
+    remote_slower_share_critical: float = 0.50
+    hit_requests_share_min: float = 0.50
+    hit_tokens_share_max: float = 0.20
+    queue_p99_share: float = 0.50
+    queue_p99_share_critical: float = 0.80
+    sync_share: float = 0.10
+    sync_share_critical: float = 0.30
+    storm_window_ns: int | None = None
+    storm_factor: float = 3.0
+    storm_min_windows: int = 4
+    h2d_link_fraction: float = 0.30
+    h2d_link_fraction_critical: float = 0.10
+    h2d_min_bytes: int = 16 * 1024 * 1024
+    nic_imbalance_ratio: float = 2.0
+    nic_min_bytes_per_s: float = 1e6
+    evicted_share: float = 0.05
+    other_share: float = 0.05
+    other_share_critical: float = 0.25
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.examples <= 100:
+            raise ValueError(f"DiagnoseConfig.examples: expected 1..100, got {self.examples}")
+        if self.min_requests < 1:
+            raise ValueError(f"DiagnoseConfig.min_requests: expected >= 1, got "
+                             f"{self.min_requests}")
+        for name in ("remote_slower_share", "remote_slower_share_critical",
+                     "hit_requests_share_min", "queue_p99_share", "queue_p99_share_critical",
+                     "sync_share", "sync_share_critical", "h2d_link_fraction",
+                     "h2d_link_fraction_critical", "evicted_share", "other_share",
+                     "other_share_critical"):
+            _fraction(name, getattr(self, name))
+        _fraction("hit_tokens_share_max", self.hit_tokens_share_max, open_low=False)
+        for warn, crit, higher_is_worse in (
+            ("remote_slower_share", "remote_slower_share_critical", True),
+            ("queue_p99_share", "queue_p99_share_critical", True),
+            ("sync_share", "sync_share_critical", True),
+            ("other_share", "other_share_critical", True),
+            ("h2d_link_fraction", "h2d_link_fraction_critical", False),
+        ):
+            w, c = getattr(self, warn), getattr(self, crit)
+            if (c < w) if higher_is_worse else (c > w):
+                rel = ">=" if higher_is_worse else "<="
+                raise ValueError(f"DiagnoseConfig.{crit}: expected {rel} {warn} ({w}), got {c}")
+        if self.storm_window_ns is not None and self.storm_window_ns <= 0:
+            raise ValueError(f"DiagnoseConfig.storm_window_ns: expected > 0 ns or None, got "
+                             f"{self.storm_window_ns}")
+        if not self.storm_factor > 1.0:
+            raise ValueError(f"DiagnoseConfig.storm_factor: expected > 1, got "
+                             f"{self.storm_factor}")
+        if self.storm_min_windows < 2:
+            raise ValueError(f"DiagnoseConfig.storm_min_windows: expected >= 2, got "
+                             f"{self.storm_min_windows}")
+        if self.h2d_min_bytes < 1:
+            raise ValueError(f"DiagnoseConfig.h2d_min_bytes: expected >= 1, got "
+                             f"{self.h2d_min_bytes}")
+        if not self.nic_imbalance_ratio > 1.0:
+            raise ValueError(f"DiagnoseConfig.nic_imbalance_ratio: expected > 1, got "
+                             f"{self.nic_imbalance_ratio}")
+        if self.nic_min_bytes_per_s < 0:
+            raise ValueError(f"DiagnoseConfig.nic_min_bytes_per_s: expected >= 0, got "
+                             f"{self.nic_min_bytes_per_s}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> DiagnoseConfig:
+        """Build from a mapping (e.g. a YAML file); unknown keys raise ValueError naming them."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"DiagnoseConfig: unknown setting(s) {', '.join(unknown)}")
+        return cls(**values)
+
+
+# --------------------------------------------------------------------------------------------
+# What a rule sees
+# --------------------------------------------------------------------------------------------
+
+
+class Context:
+    """The run as the rules see it: the frames, the partition, and lazily computed shared
+    figures (each computed at most once however many rules use it).
+
+    Args:
+        requests, spans: run-store or imported frames.
+        layers, samples, events: optional frames (None when the source has none).
+        config: thresholds.
+        part: the partition of `requests`/`spans` when the caller already has it.
+        run_config: run.json's ``config`` (``options`` holds the `kvscope run` flags), so next
+            steps can name the current value of a flag.
+    """
+
+    def __init__(self, requests: pd.DataFrame, spans: pd.DataFrame, *,
+                 layers: pd.DataFrame | None, samples: pd.DataFrame | None,
+                 events: pd.DataFrame | None, config: DiagnoseConfig,
+                 part: pd.DataFrame | None, run_config: Mapping[str, Any] | None = None
+                 ) -> None:
+        from analyzers.ttft import partition
+
+        self.requests = requests.reset_index(drop=True)
+        self.spans = spans
+        self.layers = layers
+        self.samples = samples
+        self.events = events
+        self.config = config
+        self.part = partition(self.requests, spans) if part is None else \
+            part.reset_index(drop=True)
+        if len(self.part) != len(self.requests):
+            raise ValueError(f"part: {len(self.part)} rows for {len(self.requests)} requests")
+        self.served = F.valid(self.part["ttft_ns"])
+        self.ids = self.requests["request_id"].to_numpy()
+        opts = (run_config or {}).get("options")
+        self.options: Mapping[str, Any] = opts if isinstance(opts, Mapping) else {}
+        self._accounting: dict[tuple[str, ...], TokenAccounting] = {}
+
+    def flag(self, option: str, cli: str, factor: float) -> str:
+        """``--max-num-seqs 8 (now 4)`` when the run's value of `option` is known (scaled by
+        `factor`), else just ``--max-num-seqs``."""
+        cur = self.options.get(option)
+        if isinstance(cur, bool) or not isinstance(cur, (int, float)) or cur <= 0:
+            return cli
+        new = cur * factor
+        new_txt = f"{int(new)}" if isinstance(cur, int) else f"{new:g}"
+        if isinstance(cur, int) and int(new) < 1:
+            return cli
+        return f"{cli} {new_txt} (now {cur:g})"
+
+    def ns(self, col: str) -> np.ndarray:
+        """A partition time column as int64 (0 where null)."""
+        return F.ints(self.part[col], 0)
+
+    def tokens(self, col: str) -> np.ndarray:
+        """A requests column as int64 (0 where null or absent)."""
+        if col not in self.requests:
+            return np.zeros(len(self.requests), np.int64)
+        return F.ints(self.requests[col], 0)
+
+    def known(self, cols: Sequence[str]) -> np.ndarray:
+        """Served requests whose `cols` are all known (not <NA>)."""
+        mask = self.served.copy()
+        for c in cols:
+            if c not in self.requests:
+                return np.zeros(len(self.requests), bool)
+            mask &= F.valid(self.requests[c])
+        return mask
+
+    def accounting_gap(self, cols: Sequence[str]) -> str | None:
+        """Why accounting-based rules cannot run (None when some served request has `cols`)."""
+        if not self.served.any():
+            return "no request produced a first token"
+        if not self.known(cols).any():
+            return f"no accounting in this source ({', '.join(cols)} unknown)"
+        return None
+
+    def examples(self, mask: np.ndarray, worst: np.ndarray) -> tuple[str, ...]:
+        """Up to `config.examples` request ids among `mask`, largest `worst` first."""
+        idx = np.flatnonzero(mask)
+        if not len(idx):
+            return ()
+        order = idx[np.argsort(-np.asarray(worst, dtype=np.float64)[idx], kind="stable")]
+        return tuple(str(x) for x in self.ids[order[: self.config.examples]])
+
+    @cached_property
+    def rate(self) -> PrefillRate:
+        from analyzers.accounting import prefill_rate
+
+        return prefill_rate(self.requests, self.spans, self.part)
+
+    @cached_property
+    def summary(self) -> TTFTSummary:
+        from analyzers.ttft_summary import summarize
+
+        return summarize(self.part)
+
+    def accounting(self, cols: Sequence[str]) -> TokenAccounting:
+        """Token accounting over the served requests whose `cols` are known (an import may
+        know some counts for some requests only); computed once per set of columns."""
+        key = tuple(sorted(cols))
+        if key not in self._accounting:
+            from analyzers.accounting import token_accounting
+
+            self._accounting[key] = token_accounting(self.requests.loc[self.known(key)])
+        return self._accounting[key]
+
+    def coverage(self, cols: Sequence[str]) -> str | None:
+        """A sentence when only some served requests have `cols` known (None when all do)."""
+        k, n = int(self.known(cols).sum()), int(self.served.sum())
+        if k == n:
+            return None
+        return (f"accounting ({', '.join(cols)}) is known for {share(k, n, 'requests')} with a "
+                "first token; the figures above cover those only")
+
+
+# --------------------------------------------------------------------------------------------
+# How numbers read
+# --------------------------------------------------------------------------------------------
+
+
+def pct(num: float, den: float) -> str:
+    """``34.2 %``, or ``n/a`` for a zero denominator."""
+    return f"{100.0 * num / den:.1f} %" if den else "n/a"
+
+
+def share(num: int, den: int, unit: str) -> str:
+    """``41 / 120 requests (34.2 %)``."""
+    return f"{int(num):,} / {int(den):,} {unit} ({pct(num, den)})"
+
+
+def dur(ns: float) -> str:
+    """A duration with a unit suited to its size: ``812.0 µs``, ``41.3 ms``, ``12.40 s``."""
+    ns = float(ns)
+    if abs(ns) < 1e6:
+        return f"{ns / 1e3:,.1f} µs"
+    if abs(ns) < 1e10:
+        return f"{ns / 1e6:,.1f} ms"
+    return f"{ns / 1e9:,.2f} s"
+
+
+def time_share(num_ns: float, den_ns: float, what: str) -> str:
+    """``812.0 ms / 1,020.0 ms of TTFT (79.6 %)`` with one unit for both sides."""
+    unit, scale = ("ms", 1e6) if max(abs(num_ns), abs(den_ns)) < 1e10 else ("s", 1e9)
+    if max(abs(num_ns), abs(den_ns)) < 1e6:
+        unit, scale = "µs", 1e3
+    return (f"{num_ns / scale:,.1f} {unit} / {den_ns / scale:,.1f} {unit} of {what} "
+            f"({pct(num_ns, den_ns)})")
+
+
+def rate_bytes(bps: float) -> str:
+    """Bytes per second in decimal units: ``12.4 GB/s``."""
+    for unit, scale in (("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
+        if abs(bps) >= scale:
+            return f"{bps / scale:,.2f} {unit}"
+    return f"{bps:,.0f} B/s"
+
+
+def size_bytes(b: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(b) >= scale:
+            return f"{b / scale:,.2f} {unit}"
+    return f"{int(b):,} B"

@@ -1,0 +1,139 @@
+"""The rule registry and the entry points: `diagnose` and `diagnose_report`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+
+from analyzers.diagnose.hardware import h2d_bandwidth_low, nic_imbalance
+from analyzers.diagnose.latency import (
+    other_share_high,
+    queue_dominated_p99,
+    remote_load_slower_than_recompute,
+    sync_stalls,
+)
+from analyzers.diagnose.model import SEVERITIES, Context, DiagnoseConfig, Finding, NotEvaluated
+from analyzers.diagnose.tokens import (
+    hit_rate_high_by_requests_low_by_tokens,
+    promised_hits_evicted,
+    recompute_storm,
+)
+
+Rule = Callable[[Context], "Finding | NotEvaluated | None"]
+
+#: Every rule, by stable id, in the order findings of equal severity are reported.
+RULES: dict[str, Rule] = {
+    "remote_load_slower_than_recompute": remote_load_slower_than_recompute,
+    "recompute_storm": recompute_storm,
+    "queue_dominated_p99": queue_dominated_p99,
+    "sync_stalls": sync_stalls,
+    "h2d_bandwidth_low": h2d_bandwidth_low,
+    "nic_imbalance": nic_imbalance,
+    "promised_hits_evicted": promised_hits_evicted,
+    "hit_rate_high_by_requests_low_by_tokens": hit_rate_high_by_requests_low_by_tokens,
+    "other_share_high": other_share_high,
+}
+
+
+@dataclass(slots=True, frozen=True)
+class DiagnoseReport:
+    """What `diagnose_report` returns.
+
+    Attributes:
+        findings: rules that fired, most severe first (then in `RULES` order).
+        not_evaluated: rules the run lacks the data for, each with its reason.
+        passed: rules evaluated that found nothing.
+        config: the thresholds used.
+    """
+
+    findings: tuple[Finding, ...]
+    not_evaluated: tuple[NotEvaluated, ...]
+    passed: tuple[str, ...]
+    config: DiagnoseConfig
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: ``{findings: [Finding.to_dict], not_evaluated: [{rule, reason}],
+        passed: [rule], config: {...}}``."""
+        return {"findings": [f.to_dict() for f in self.findings],
+                "not_evaluated": [n.to_dict() for n in self.not_evaluated],
+                "passed": list(self.passed), "config": self.config.to_dict()}
+
+
+def diagnose_report(
+    requests: pd.DataFrame,
+    spans: pd.DataFrame,
+    *,
+    layers: pd.DataFrame | None = None,
+    samples: pd.DataFrame | None = None,
+    events: pd.DataFrame | None = None,
+    config: DiagnoseConfig | None = None,
+    part: pd.DataFrame | None = None,
+    rules: tuple[str, ...] | None = None,
+    run_config: Mapping[str, Any] | None = None,
+) -> DiagnoseReport:
+    """Run the rules over a run and say what each found, or why it could not look.
+
+    Args:
+        requests, spans: run-store frames (`agent.runstore.open_run`) or an `ImportedRun`'s;
+            accounting columns may be <NA> (unknown), which the rules that need them report
+            as not evaluated.
+        layers, samples, events: the optional run-store frames.
+        config: thresholds (default `DiagnoseConfig()`).
+        part: ``analyzers.ttft.partition(requests, spans)`` when the caller has it already.
+        rules: ids of the rules to run (default: all of `RULES`).
+        run_config: run.json's ``config`` (``RunStore.meta["config"]``), so next steps name
+            the run's current flag values; None for imports.
+
+    Returns:
+        a `DiagnoseReport`.
+
+    Raises:
+        InputError: a frame lacks required columns or has duplicate request ids.
+        ValueError: an unknown rule id, or a `part` that does not match `requests`.
+    """
+    names = tuple(RULES) if rules is None else rules
+    unknown = [r for r in names if r not in RULES]
+    if unknown:
+        raise ValueError(f"rules: unknown rule(s) {', '.join(unknown)}; expected some of "
+                         f"{', '.join(RULES)}")
+    cfg = config or DiagnoseConfig()
+    if not len(requests):
+        # Aggregate-only sources (Prometheus) and traces without kvscope ranges have none.
+        why = "no per-request data in this source"
+        return DiagnoseReport((), tuple(NotEvaluated(r, why) for r in names), (), cfg)
+    ctx = Context(requests, spans, layers=layers, samples=samples, events=events,
+                  config=cfg, part=part, run_config=run_config)
+    found: list[Finding] = []
+    skipped: list[NotEvaluated] = []
+    passed: list[str] = []
+    for name in names:
+        out = RULES[name](ctx)
+        if isinstance(out, Finding):
+            found.append(out)
+        elif isinstance(out, NotEvaluated):
+            skipped.append(out)
+        else:
+            passed.append(name)
+    order = list(RULES)
+    found.sort(key=lambda f: (SEVERITIES.index(f.severity), order.index(f.rule)))
+    return DiagnoseReport(tuple(found), tuple(skipped), tuple(passed), ctx.config)
+
+
+def diagnose(
+    requests: pd.DataFrame,
+    spans: pd.DataFrame,
+    *,
+    layers: pd.DataFrame | None = None,
+    samples: pd.DataFrame | None = None,
+    events: pd.DataFrame | None = None,
+    config: DiagnoseConfig | None = None,
+    part: pd.DataFrame | None = None,
+    run_config: Mapping[str, Any] | None = None,
+) -> list[Finding]:
+    """The findings of `diagnose_report`, most severe first (see it for the arguments)."""
+    return list(diagnose_report(requests, spans, layers=layers, samples=samples,
+                                events=events, config=config, part=part,
+                                run_config=run_config).findings)

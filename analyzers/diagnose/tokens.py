@@ -1,0 +1,239 @@
+"""Rules on where prompt tokens' KV came from: hits that save little, promised hits lost to
+eviction, and recompute storms when the remote tier fails."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from analyzers import frames as F
+from analyzers.diagnose.model import Context, Finding, NotEvaluated, dur, pct, share
+
+_REUSE = ("lookup_tokens", "device_hit_tokens", "host_loaded_tokens", "remote_loaded_tokens")
+#: Load failures that mean the remote tier (not the pool) failed.
+REMOTE_FAILURE_COLUMNS: tuple[str, ...] = tuple(
+    f"load_failed_{r}_tokens" for r in ("timeout", "checksum", "error", "circuit_open"))
+#: Event names that mark the remote tier failing.
+REMOTE_FAILURE_EVENTS: tuple[str, ...] = ("load_failed", "circuit_open", "fault")
+
+
+def hit_rate_high_by_requests_low_by_tokens(ctx: Context) -> Finding | NotEvaluated | None:
+    """Most requests hit, but the hits cover few of their tokens: short shared prefixes."""
+    rule = "hit_rate_high_by_requests_low_by_tokens"
+    gap = ctx.accounting_gap(_REUSE)
+    if gap:
+        return NotEvaluated(rule, gap)
+    cfg = ctx.config
+    acct = ctx.accounting(_REUSE)
+    by_req, by_tok = acct.ratio("requests_with_hit"), acct.ratio("token_hit_share")
+    if not by_tok.denominator:
+        return NotEvaluated(rule, "no lookup tokens (no prompt spans a full block)")
+    rv, tv = by_req.value or 0.0, by_tok.value or 0.0
+    if rv < cfg.hit_requests_share_min or tv > cfg.hit_tokens_share_max:
+        return None
+    known = ctx.known(_REUSE)
+    reused = (ctx.tokens("device_hit_tokens") + ctx.tokens("host_loaded_tokens")
+              + ctx.tokens("remote_loaded_tokens"))
+    lookup = ctx.tokens("lookup_tokens")
+    hitting = known & (reused > 0)
+    evidence = [
+        f"by requests: {share(by_req.numerator, by_req.denominator, by_req.unit)} reused some "
+        "KV",
+        f"by tokens: {share(by_tok.numerator, by_tok.denominator, by_tok.unit)} were reused",
+        f"a hitting request reused a median of {int(np.median(reused[hitting])):,} tokens of "
+        f"a median {int(np.median(lookup[hitting])):,} lookup tokens",
+    ]
+    _note(evidence, ctx, _REUSE)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        own = np.where(lookup > 0, reused / np.where(lookup > 0, lookup, 1), 1.0)
+    return Finding(
+        rule=rule, severity="warning",
+        title=f"Hit rate is high by requests ({pct(by_req.numerator, by_req.denominator)}) "
+              f"but low by tokens ({pct(by_tok.numerator, by_tok.denominator)}): shared "
+              "prefixes are short",
+        evidence=evidence,
+        next_step=("Lengthen the shared prefix: put the shared content (system prompt, "
+                   "documents, tool schemas) first in the prompt template and the per-request "
+                   "parts (user id, timestamps) after it; a smaller block also reuses short "
+                   f"prefixes: {ctx.flag('block_size', '--block-size', 0.5)}."),
+        metrics={"requests_with_hit": by_req.numerator, "requests": by_req.denominator,
+                 "request_share": rv, "reused_tokens": by_tok.numerator,
+                 "lookup_tokens": by_tok.denominator, "token_share": tv},
+        requests=ctx.examples(hitting, -own),
+    )
+
+
+def promised_hits_evicted(ctx: Context) -> Finding | NotEvaluated | None:
+    """Host/remote hits promised at arrival and evicted before admission (recomputed)."""
+    rule = "promised_hits_evicted"
+    cols = ("host_hit_tokens", "remote_hit_tokens", "load_failed_evicted_tokens")
+    gap = ctx.accounting_gap(cols)
+    if gap:
+        return NotEvaluated(rule, gap)
+    cfg = ctx.config
+    r = ctx.accounting(cols).ratio("load_failed_evicted_share")
+    if not r.denominator:
+        return NotEvaluated(rule, "no host or remote hits were promised at arrival")
+    frac = r.value or 0.0
+    if frac < cfg.evicted_share:
+        return None
+    known = ctx.known(cols)
+    evicted = ctx.tokens("load_failed_evicted_tokens")
+    promised = ctx.tokens("host_hit_tokens") + ctx.tokens("remote_hit_tokens")
+    hit = known & (evicted > 0)
+    with_promise = known & (promised > 0)
+    queue = ctx.ns("queue_ns")
+    evidence = [
+        f"{share(r.numerator, r.denominator, r.unit)} were evicted between the arrival lookup "
+        "and admission, and recomputed",
+        f"{share(int(hit.sum()), int(with_promise.sum()), 'requests with promised hits')} "
+        "lost some of them",
+        f"median queue time of those requests (the window the blocks were evicted in): "
+        f"{dur(float(np.median(queue[hit])))} vs {dur(float(np.median(queue[with_promise])))} "
+        "over all requests with promised hits",
+    ]
+    ev = ctx.events
+    if ev is not None and len(ev) and "name" in ev:
+        evictions = int((ev["name"] == "eviction").sum())
+        if evictions:
+            evidence.append(f"{evictions:,} eviction events in the run")
+    _note(evidence, ctx, cols)
+    return Finding(
+        rule=rule, severity="warning",
+        title=f"{pct(r.numerator, r.denominator)} of promised hits were evicted before "
+              "admission",
+        evidence=evidence,
+        next_step=("Keep promised blocks alive until admission: grow the pool that evicted "
+                   f"them ({ctx.flag('num_blocks', '--num-blocks', 2)} for the device pool, or "
+                   "the host tier's capacity), pin promised blocks from lookup to admission, "
+                   f"or shorten the queue ({ctx.flag('max_num_seqs', '--max-num-seqs', 2)})."),
+        metrics={"evicted_tokens": r.numerator, "promised_tokens": r.denominator,
+                 "share": frac, "requests_hit": int(hit.sum()),
+                 "requests_with_promise": int(with_promise.sum())},
+        requests=ctx.examples(hit, evicted),
+    )
+
+
+def recompute_storm(ctx: Context) -> Finding | NotEvaluated | None:
+    """A window whose recomputed tokens/s spikes above the run's median window while the
+    remote tier fails (failed loads, an open circuit breaker)."""
+    rule = "recompute_storm"
+    gap = ctx.accounting_gap(("recomputed_tokens",))
+    if gap:
+        return NotEvaluated(rule, gap)
+    cfg = ctx.config
+    known = ctx.known(("recomputed_tokens",))
+    t_ft = F.ints(ctx.part["first_token_ns"], 0)
+    has_fail_cols = bool(ctx.known(REMOTE_FAILURE_COLUMNS).any())
+    ev = ctx.events
+    has_events = ev is not None and {"ts_ns", "name"} <= set(ev.columns)
+    if not has_fail_cols and not has_events:
+        return NotEvaluated(rule, "no load-failure accounting and no events: remote failures "
+                                  "cannot be seen")
+    # Recomputation happens in the prefill that produced the first token: bin it there.
+    ts = t_ft[known]
+    # Windows start at the first arrival, the origin `kvscope timeline --window` also uses.
+    t0 = int(F.ints(ctx.requests["arrival_ns"], 0)[known].min())
+    window = cfg.storm_window_ns
+    if window is None:
+        from analyzers.ttft_summary import default_window_ns
+
+        window = default_window_ns(ts)
+    n_win = int((int(ts.max()) - t0) // window) + 1
+    if n_win < cfg.storm_min_windows:
+        return NotEvaluated(rule, f"the run spans {n_win} window(s) of {dur(window)}; a "
+                                  f"baseline needs {cfg.storm_min_windows}")
+    w = (ts - t0) // window
+    tok = np.bincount(w, weights=ctx.tokens("recomputed_tokens")[known], minlength=n_win)
+    rate = tok / (window / 1e9)
+    median = float(np.median(rate))
+    spike = (rate > 0) & (rate >= cfg.storm_factor * median)
+
+    fail_tok = np.zeros(n_win)
+    fail_req = np.zeros(n_win, np.int64)
+    if has_fail_cols:
+        f_known = ctx.known(REMOTE_FAILURE_COLUMNS)
+        failed = sum(ctx.tokens(c) for c in REMOTE_FAILURE_COLUMNS)
+        sel = f_known & (failed > 0)
+        fw = (t_ft[sel] - t0) // window
+        ok = (fw >= 0) & (fw < n_win)
+        fail_tok = np.bincount(fw[ok], weights=failed[sel][ok], minlength=n_win)
+        fail_req = np.bincount(fw[ok], minlength=n_win)
+    ev_count = np.zeros(n_win, np.int64)
+    open_count = np.zeros(n_win, np.int64)
+    if has_events and len(ev):
+        names = ev["name"].astype(object).to_numpy()
+        is_fail = np.isin(names, REMOTE_FAILURE_EVENTS)
+        ets = F.ints(ev["ts_ns"], 0)
+        ew = (ets - t0) // window
+        ok = is_fail & (ew >= 0) & (ew < n_win)
+        ev_count = np.bincount(ew[ok], minlength=n_win)
+        open_count = np.bincount(ew[ok & (names == "circuit_open")], minlength=n_win)
+    storm = spike & ((fail_tok > 0) | (ev_count > 0))
+    if not storm.any():
+        return None
+    worst = int(np.flatnonzero(storm)[np.argmax(rate[storm])])
+    start_s = worst * window / 1e9
+    in_worst = known & ((t_ft - t0) // window == worst)
+    n_in = int(in_worst.sum())
+    evidence = [
+        f"window +{start_s:,.3f} s .. +{start_s + window / 1e9:,.3f} s after the first arrival: "
+        f"{int(tok[worst]):,} recomputed tokens / {window / 1e9:,.3f} s = "
+        f"{rate[worst]:,.0f} tokens/s vs a median of {median:,.0f} tokens/s over {n_win} "
+        f"windows ({_times(rate[worst], median)})",
+        f"{int(storm.sum())} / {n_win} windows spiked together with remote failures",
+    ]
+    if has_fail_cols:
+        evidence.append(f"in that window {share(int(fail_req[worst]), n_in, 'requests')} had "
+                        f"failed remote loads ({int(fail_tok[worst]):,} tokens: "
+                        + _reasons(ctx, in_worst) + ")")
+    if ev_count[worst]:
+        evidence.append(f"{int(ev_count[worst])} remote failure event(s) in that window, "
+                        f"{int(open_count[worst])} of them circuit_open")
+    _note(evidence, ctx, ("recomputed_tokens",))
+    breaker = bool(open_count[storm].sum())
+    return Finding(
+        rule=rule, severity="critical" if breaker else "warning",
+        title=f"Recompute storm: recomputed tokens/s reached {_times(rate[worst], median)} the "
+              "median while the remote tier failed",
+        evidence=evidence,
+        next_step=("Every failed remote load became prefill work: look at the remote tier in "
+                   "that window (`kvscope timeline RUN -o storm.json --window "
+                   f"{start_s:.3f}:{start_s + window / 1e9:.3f}`), raise the remote load "
+                   "timeout if loads timed out, and stop promising remote hits at lookup while "
+                   "the circuit breaker is open."),
+        metrics={"window_ns": int(window), "windows": n_win, "storm_windows": int(storm.sum()),
+                 "worst_window_start_ns": int(t0 + worst * window),
+                 "worst_tokens_per_s": float(rate[worst]), "median_tokens_per_s": median,
+                 "worst_failed_tokens": int(fail_tok[worst]),
+                 "worst_failure_events": int(ev_count[worst]),
+                 "circuit_open_events": int(open_count[storm].sum())},
+        requests=ctx.examples(in_worst, ctx.tokens("recomputed_tokens")),
+    )
+
+
+def _note(evidence: list[str], ctx: Context, cols: tuple[str, ...]) -> None:
+    note = ctx.coverage(cols)
+    if note:
+        evidence.append(note)
+
+
+def _times(v: float, base: float) -> str:
+    return f"{v / base:,.1f}x" if base > 0 else "from a median of 0"
+
+
+def _reasons(ctx: Context, mask: np.ndarray) -> str:
+    parts = []
+    for c in REMOTE_FAILURE_COLUMNS:
+        t = int(ctx.tokens(c)[mask].sum())
+        if t:
+            parts.append(f"{c.removeprefix('load_failed_').removesuffix('_tokens')} {t:,}")
+    return ", ".join(parts) or "none"
+
+
+__all__ = [
+    "REMOTE_FAILURE_COLUMNS",
+    "REMOTE_FAILURE_EVENTS",
+    "hit_rate_high_by_requests_low_by_tokens",
+    "promised_hits_evicted",
+    "recompute_storm",
+]

@@ -1,0 +1,360 @@
+"""The `kvscope analyze` report: built from a run store by the analyzers, rendered as text,
+markdown or JSON. Rendering is kept apart from the analysis (which lives in `ttft`,
+`accounting`); nothing here computes a figure of its own.
+
+The report leads with the TTFT breakdown, then the token accounting with its denominators, the
+prefill rate and time saved, the per-layer table and the checks. Diagnoses append *findings*:
+`build_report(..., findings=[...])` takes any objects with ``title`` (and optionally
+``severity``, ``evidence``, ``next_step``) and a ``to_dict()``; plain strings work too. They
+are printed in their own section after the checks and carried in the JSON under ``findings``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+
+from agent.schema import TTFT_STAGES
+from analyzers.accounting import (
+    PrefillRate,
+    SecondsSaved,
+    TokenAccounting,
+    layer_table,
+    prefill_rate,
+    prefill_seconds_saved,
+    token_accounting,
+)
+from analyzers.render import Table, md_table, text_table
+from analyzers.ttft import partition, summarize, violations
+from analyzers.ttft_summary import TTFTSummary, records
+from analyzers.units import fmt_ns, fmt_pct
+
+#: Version of the JSON report layout; bumped on an incompatible change.
+REPORT_VERSION = 1
+FORMATS = ("text", "markdown", "json")
+_MAX_LISTED = 10
+
+
+@dataclass(slots=True)
+class Report:
+    """Everything `kvscope analyze` prints, as analyzer outputs."""
+
+    run: dict[str, Any]
+    ttft: TTFTSummary
+    violations: pd.DataFrame
+    accounting: TokenAccounting
+    layers: pd.DataFrame
+    prefill: PrefillRate
+    saved: SecondsSaved
+    findings: list[Any] | None = None
+
+
+def build_report(store: Any, *, findings: Sequence[Any] | None = None,
+                 by: str | None = None, window_ns: int | None = None) -> Report:
+    """Run the analyzers over a run store.
+
+    Args:
+        store: an `agent.runstore.RunStore`.
+        findings: diagnoses to append (see the module docstring); None leaves the section out.
+        by: optional grouping of the TTFT table (tenant, workload_class, hit_class).
+        window_ns: window length for percentiles over time.
+
+    Returns:
+        a `Report`.
+    """
+    req, spans = store.requests, store.spans
+    part = partition(req, spans)
+    rate = prefill_rate(req, spans, part)
+    meta = store.meta
+    run = {
+        "path": str(store.path),
+        "run_id": meta.get("run_id"),
+        "status": meta.get("status"),
+        "schema_version": meta.get("schema_version"),
+        "model": _model_name(meta.get("config") or {}),
+        "requests": len(req),
+        "gaps": list(store.gaps),
+    }
+    return Report(
+        run=run,
+        ttft=summarize(part, by=by, window_ns=window_ns),
+        violations=violations(part),
+        accounting=token_accounting(req),
+        layers=layer_table(store.layers),
+        prefill=rate,
+        saved=prefill_seconds_saved(req, rate, part),
+        findings=None if findings is None else list(findings),
+    )
+
+
+def _model_name(config: dict[str, Any]) -> str | None:
+    """The model a run served, wherever its producer put it in run.json's config."""
+    engine_model = (config.get("engine") or {}).get("model")
+    for v in (config.get("model"), engine_model, (config.get("options") or {}).get("model")):
+        if isinstance(v, dict):
+            v = v.get("model_id") or v.get("name")
+        if isinstance(v, str) and v:
+            return v
+    return None
+
+
+def render(report: Report, fmt: str) -> str:
+    """`report` in `fmt` (text, markdown or json)."""
+    if fmt == "json":
+        return render_json(report)
+    return render_doc(report, markdown=fmt == "markdown")
+
+
+def render_json(report: Report) -> str:
+    """The report as JSON. Layout (stable; `REPORT_VERSION` changes on a break):
+
+    ``{"kvscope_report": 1, "run": {path, run_id, status, schema_version, model, requests,
+    gaps}, "ttft": TTFTSummary.to_dict(), "partition_violations": [{request_id, violation,
+    ttft_ns, derived}], "accounting": TokenAccounting.to_dict(), "layers": [row],
+    "prefill": {"rate": PrefillRate.to_dict(), "saved": SecondsSaved.to_dict()},
+    "findings": [finding] | null}``. Times are integer or float ns; NaN is null.
+    """
+    doc = {
+        "kvscope_report": REPORT_VERSION,
+        "run": report.run,
+        "ttft": report.ttft.to_dict(),
+        "partition_violations": records(report.violations),
+        "accounting": report.accounting.to_dict(),
+        "layers": records(report.layers),
+        "prefill": {"rate": report.prefill.to_dict(), "saved": report.saved.to_dict()},
+        "findings": None if report.findings is None else [_finding_dict(f)
+                                                          for f in report.findings],
+    }
+    return json.dumps(_clean(doc), indent=2, allow_nan=False) + "\n"
+
+
+def _clean(v: Any) -> Any:
+    if isinstance(v, float) and v != v:  # NaN
+        return None
+    if isinstance(v, dict):
+        return {k: _clean(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_clean(x) for x in v]
+    return v
+
+
+def _finding_dict(f: Any) -> Any:
+    if not isinstance(f, str) and hasattr(f, "to_dict"):
+        return f.to_dict()
+    return {"title": str(f)}
+
+
+def _finding_lines(f: Any) -> list[str]:
+    if isinstance(f, str) or not isinstance(getattr(f, "title", None), str):
+        return [f"- {f}"]
+    sev = getattr(f, "severity", None)
+    lines = [f"- {f'[{sev}] ' if sev else ''}{f.title}"]
+    ev = getattr(f, "evidence", None)
+    for e in ([ev] if isinstance(ev, str) else list(ev or [])):
+        lines.append(f"  evidence: {e}")
+    nxt = getattr(f, "next_step", None)
+    if nxt:
+        lines.append(f"  next: {nxt}")
+    return lines
+
+
+def render_doc(report: Report, *, markdown: bool = False) -> str:
+    """The report as plain text (aligned columns) or markdown (headings and tables)."""
+    out: list[str] = []
+
+    def head(title: str) -> None:
+        out.extend(["", f"## {title}", ""] if markdown else ["", title, "-" * len(title)])
+
+    def table(t: Table) -> None:
+        out.extend(md_table(t) if markdown else text_table(t, indent=2))
+
+    r, s, a = report.run, report.ttft, report.accounting
+    title = f"kvscope analyze: {r['path']}"
+    out.append(f"# {title}" if markdown else title)
+    out.append(f"run {r['run_id']} ({r['status']}), model {r['model'] or '-'}; "
+               f"{r['requests']:,} requests: {s.requests:,} with a first token, "
+               f"{s.without_first_token:,} without (left out of TTFT), {s.derived:,} derived "
+               f"from activity spans")
+    if r["gaps"]:
+        out.append(f"gaps in the store: {'; '.join(r['gaps'])}")
+
+    head(f"TTFT breakdown ({s.requests:,} requests)")
+    table(_stage_rows(s))
+    out.append("share: mean over requests of the stage's part of that request's TTFT; "
+               "of total: the stage's part of all TTFT time. hidden load: KV loading that "
+               "overlapped queue time (inside queue, not added to TTFT).")
+    slow = s.slowest
+    if len(slow) and not s.by:
+        top = slow.sort_values("share", ascending=False)
+        top = top[top["share"] > 0]
+        spent = ", ".join(f"{row.stage} {fmt_pct(row.share)}" for row in top.itertuples())
+        n_slow = int(slow["requests"].iloc[0])
+        out.append("")
+        out.append(f"Slowest requests (TTFT >= p99 {fmt_ns(slow['threshold_ns'].iloc[0])}, "
+                   f"{n_slow:,} request{'s' if n_slow != 1 else ''}) spent their time on: "
+                   f"{spent}")
+    if len(s.windows) > 1:
+        head(f"TTFT over time ({fmt_ns(s.window_ns)} windows by arrival)")
+        table(_window_rows(s))
+
+    head(f"Token accounting ({a.requests:,} requests with a first token)")
+    for level, title in (("token", "tokens"), ("request", "requests"), ("byte", "bytes")):
+        rows = [x for x in a.ratios if x.level == level]
+        out.append(f"{'**' if markdown else ''}{title}{'**' if markdown else ''}")
+        table(Table(["ratio", "numerator / denominator"],
+                    [[x.label, str(x)] for x in rows], align="ll"))
+    out.append("")
+    table(Table(["tier", "promised tokens", "loaded tokens", "shortfall tokens", "read bytes",
+                 "written bytes"],
+                [[t.tier, f"{t.promised_tokens:,}", f"{t.loaded_tokens:,}",
+                  f"{t.shortfall_tokens:,}", f"{t.read_bytes:,}", f"{t.written_bytes:,}"]
+                 for t in a.tiers.itertuples()]))
+
+    head("Prefill rate and time saved by reuse")
+    p, sv = report.prefill, report.saved
+    out.append(f"measured prefill rate: {p.tokens_per_s:,.0f} tokens/s "
+               f"({p.recomputed_tokens:,} recomputed tokens in {fmt_ns(p.prefill_seconds * 1e9)}"
+               f" of prefill, {p.requests:,} requests without preemption)")
+    line = (f"reuse of {sv.reused_tokens:,} tokens saved about "
+            f"{fmt_ns(sv.gross_seconds * 1e9)} of prefill")
+    if sv.load_seconds is not None:
+        line += (f"; loading them cost {fmt_ns(sv.load_seconds * 1e9)} of TTFT "
+                 f"(remote_read + h2d + sync): net {fmt_ns(sv.net_seconds * 1e9, signed=True)}")
+    out.append(line)
+
+    if len(report.layers):
+        head("Per layer (denominator: prompt tokens)")
+        table(Table(["layer", "requests", "hit", "loaded", "recomputed", "load", "wait"],
+                    [[str(x.layer), f"{x.requests:,}", fmt_pct(x.hit_share),
+                      fmt_pct(x.loaded_share), fmt_pct(x.recomputed_share), fmt_ns(x.load_ns),
+                      fmt_ns(x.wait_ns)] for x in report.layers.itertuples()]))
+
+    head("Checks")
+    v = report.violations
+    if len(v):
+        listed = ", ".join(f"{x.request_id} ({x.violation})" for x in v.head(_MAX_LISTED)
+                           .itertuples())
+        more = f" and {len(v) - _MAX_LISTED} more" if len(v) > _MAX_LISTED else ""
+        out.append(f"partition: {len(v):,} request(s) broke the partition rules and were "
+                   f"resolved by the sweep line: {listed}{more}")
+    else:
+        out.append(f"partition: stages sum exactly to TTFT for all {s.requests:,} requests")
+    iv = a.identity_violations
+    if len(iv):
+        listed = ", ".join(f"{x.request_id} ({x.check}: expected {x.expected}, got {x.actual})"
+                           for x in iv.head(_MAX_LISTED).itertuples())
+        out.append(f"accounting: {len(iv):,} violation(s): {listed}")
+    else:
+        out.append("accounting: prompt = device_hit + host_loaded + remote_loaded + "
+                   f"recomputed holds for all {a.requests:,} requests")
+
+    if report.findings is not None:
+        head("Findings")
+        if not report.findings:
+            out.append("none")
+        for f in report.findings:
+            out.extend(_finding_lines(f))
+    return "\n".join(out) + "\n"
+
+
+def _stage_rows(s: TTFTSummary) -> Table:
+    st = s.stages
+    group_cols = list(s.by)
+    rows = []
+    for x in st.itertuples(index=False):
+        d = x._asdict()
+        label = {"ttft": "TTFT", "hidden_load": "(hidden load)"}.get(d["stage"], d["stage"])
+        share = "" if d["stage"] == "ttft" else fmt_pct(d["share_mean"])
+        rows.append([*(str(d[c]) for c in group_cols), label,
+                     fmt_ns(d["p50_ns"]), fmt_ns(d["p90_ns"]), fmt_ns(d["p99_ns"]),
+                     fmt_ns(d["mean_ns"]), share,
+                     "" if d["stage"] == "ttft" else fmt_pct(d["share_of_total"])])
+    return Table([*group_cols, "stage", "p50", "p90", "p99", "mean", "share", "of total"], rows,
+                 align="l" * (len(group_cols) + 1) + "r" * 6)
+
+
+def _window_rows(s: TTFTSummary) -> Table:
+    w = s.windows
+    t0 = int(w["window_start_ns"].iloc[0])
+    rows = []
+    for x in w.itertuples(index=False):
+        d = x._asdict()
+        top = max(TTFT_STAGES, key=lambda st: d[f"{st}_p50_ns"])
+        rows.append([fmt_ns(int(d["window_start_ns"]) - t0) if d["window_start_ns"] != t0
+                     else "0", f"{d['requests']:,}", fmt_ns(d["ttft_p50_ns"]),
+                     fmt_ns(d["ttft_p90_ns"]), fmt_ns(d["ttft_p99_ns"]), top])
+    return Table(["window start", "requests", "TTFT p50", "p90", "p99", "largest stage at p50"],
+                 rows, align="rrrrrl")
+
+
+def render_comparison(comp: Any, fmt: str) -> str:
+    """A `analyzers.compare.Comparison` as text, markdown or JSON.
+
+    JSON layout (stable): ``{"kvscope_compare": 1, **Comparison.to_dict()}``.
+    """
+    if fmt == "json":
+        return json.dumps(_clean({"kvscope_compare": REPORT_VERSION, **comp.to_dict()}),
+                          indent=2, allow_nan=False) + "\n"
+    markdown = fmt == "markdown"
+    out: list[str] = []
+
+    def head(title: str) -> None:
+        out.extend(["", f"## {title}", ""] if markdown else ["", title, "-" * len(title)])
+
+    def table(t: Table) -> None:
+        out.extend(md_table(t) if markdown else text_table(t, indent=2))
+
+    title = "kvscope compare"
+    out.append(f"# {title}" if markdown else title)
+    out.append(f"A (baseline): {comp.a_label} ({comp.requests_a:,} requests with a first token)")
+    out.append(f"B: {comp.b_label} ({comp.requests_b:,} requests with a first token)")
+    out.append("")
+    out.append(f"{'**verdict**' if markdown else 'verdict'}: {comp.verdict}")
+
+    def ci(row: Any, tag: str) -> str:
+        return (f"{fmt_ns(getattr(row, f'delta_{tag}_ns'), signed=True)} "
+                f"[{fmt_ns(getattr(row, f'delta_{tag}_low_ns'), signed=True)}, "
+                f"{fmt_ns(getattr(row, f'delta_{tag}_high_ns'), signed=True)}]")
+
+    level = f"{100 * comp.level:.0f} %"
+    head(f"TTFT by stage: B - A with {level} bootstrap intervals")
+    rows = []
+    for x in comp.stages.itertuples(index=False):
+        label = "TTFT" if x.stage == "ttft" else x.stage
+        rows.append([label, fmt_ns(x.a_p50_ns), fmt_ns(x.b_p50_ns), ci(x, "p50"),
+                     fmt_ns(x.a_p99_ns), fmt_ns(x.b_p99_ns), ci(x, "p99"), ci(x, "mean"),
+                     ci(x, "tail_mean"), "" if x.stage == "ttft" else fmt_pct(x.explains)])
+    table(Table(["stage", "A p50", "B p50", "change p50 [CI]", "A p99", "B p99",
+                 "change p99 [CI]", "change of mean [CI]", "change of tail mean [CI]",
+                 "explains"], rows))
+    out.append(f"tail: requests at or above each run's TTFT p{100 * comp.tail:.0f}. Means add "
+               "up (stages sum to TTFT per request), so their changes split the TTFT change; "
+               f"'explains' uses the {comp.basis.replace('_', ' ')}.")
+
+    head("Accounting: B vs A")
+    acct = comp.accounting
+    moved = acct[(acct["key"] == "token_hit_share") | (acct["delta"].fillna(0) != 0)]
+    rows = []
+    for x in moved.itertuples(index=False):
+        if x.delta is None or x.delta != x.delta:
+            change = "-"
+        elif x.delta_unit == "pts":
+            change = f"{x.delta:+.1f} pts"
+        else:
+            change = f"{x.delta:+,.1f} {x.delta_unit}"
+        rows.append([x.label, _ratio_text(x, "a"), _ratio_text(x, "b"), change])
+    table(Table(["ratio", "A", "B", "change"], rows, align="lrrr"))
+    if len(acct) > len(moved):
+        out.append(f"{len(acct) - len(moved)} other ratios unchanged (all in --format json)")
+    return "\n".join(out) + "\n"
+
+
+def _ratio_text(row: Any, side: str) -> str:
+    num, den, val = (getattr(row, f"{side}_{k}") for k in ("numerator", "denominator", "value"))
+    if row.delta_unit == "pts":
+        return f"{num:,} / {den:,} ({fmt_pct(val)})"
+    return f"{num:,} / {den:,} ({'-' if val is None else f'{val:,.1f}'})"

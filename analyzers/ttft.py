@@ -1,0 +1,408 @@
+"""The per-request TTFT partition (DESIGN.md section 2) and its aggregates.
+
+`partition` turns a run's ``requests`` and ``spans`` frames into one row per request whose
+``<stage>_ns`` columns sum exactly to ``ttft_ns``. Requests recorded with state spans take their
+stages from them; requests that only have overlapping activity spans (imported traces) are split
+by the sweep-line priority ``prefill > sync > h2d > queue > remote_read > lookup > other`` and
+marked ``derived``. Data that breaks the partition (gaps, overlaps, spans outside the request) is
+never silently trusted: the request is resolved by the same sweep line and named in ``violation``.
+
+`summarize` aggregates a partition: percentiles and shares per stage, what the slowest requests
+spent their time on, and percentiles over time windows, optionally per tenant, workload class or
+hit class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from agent.schema import SPAN_KINDS, TTFT_STAGES
+from analyzers import frames as F
+from analyzers.intervals import (
+    STAGE_RANK,
+    clip_to_window,
+    nested_union_lengths,
+    priority_partition,
+)
+
+# The summaries live in their own module; re-exported here as part of the ttft API.
+from analyzers.ttft_summary import TTFTSummary, summarize
+
+__all__ = [
+    "ACTIVITY_STAGES",
+    "HIT_CLASSES",
+    "LOAD_ACTIVITIES",
+    "STAGE_COLUMNS",
+    "PartitionError",
+    "TTFTSummary",
+    "partition",
+    "summarize",
+    "violations",
+]
+
+STAGE_COLUMNS = F.STAGE_COLUMNS
+#: Activity span names that stand for a stage when a request has no state spans (importers map
+#: ``kvscope.<stage>`` ranges to the bare stage name). A prefetch is remote-tier reading.
+ACTIVITY_STAGES: Mapping[str, str] = {**{s: s for s in TTFT_STAGES}, "prefetch": "remote_read"}
+#: Activity span names that move KV towards the device: their overlap with queue time is the
+#: request's hidden load time.
+LOAD_ACTIVITIES: tuple[str, ...] = ("remote_read", "prefetch", "h2d", "host_read")
+#: Hit classes of a request, from its accounting: nothing reused, some, or every lookup token.
+HIT_CLASSES: tuple[str, ...] = ("cold", "partial", "full")
+
+_HIT_DTYPE = pd.CategoricalDtype(list(HIT_CLASSES))
+_K = len(TTFT_STAGES)
+_QUEUE = TTFT_STAGES.index("queue")
+_STATE, _ACTIVITY = SPAN_KINDS.index("state"), SPAN_KINDS.index("activity")
+_REQUIRED_REQUESTS = ("request_id", "arrival_ns", "first_token_ns")
+_REQUIRED_SPANS = ("request_id", "kind", "name", "start_ns", "end_ns")
+
+
+class PartitionError(RuntimeError):
+    """An internal invariant of the partition failed (a bug in kvscope, not bad input)."""
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser: a well-spread 64-bit hash of each int64 (wrapping arithmetic)."""
+    z = x.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def _tiles(r: np.ndarray, start: np.ndarray, end: np.ndarray, arrival: np.ndarray,
+           first: np.ndarray, n: int) -> np.ndarray:
+    """Per request: do its spans tile ``[arrival, first]`` exactly (no gap, overlap, overhang)?
+
+    Without sorting: spans with ``start <= end`` tile the window iff the multiset of their
+    starts plus ``first`` equals the multiset of their ends plus ``arrival`` (then exactly one
+    span covers every instant). Multisets are compared through sums of a 64-bit hash together
+    with the exact sum of durations; a false "tiles" needs a 64-bit hash collision on data that
+    also has the right total (probability ~2^-64 per request).
+    """
+    dur = end - start
+    bad = np.bincount(r[dur < 0], minlength=n)
+    total = F.group_sums(r, dur, n)
+    with np.errstate(over="ignore"):
+        h = np.zeros(n, dtype=np.uint64)  # sum of hash(start) - hash(end), mod 2^64
+        np.add.at(h, r, _mix64(start) - _mix64(end))
+        same = h + _mix64(first) - _mix64(arrival) == 0
+    return (bad == 0) & (total == first - arrival) & same
+
+
+def _flag_text(flags: Mapping[str, np.ndarray], n: int) -> np.ndarray:
+    """Comma-joined names of the flags set per row (None where none is set)."""
+    out = np.full(n, None, dtype=object)
+    any_set = np.zeros(n, dtype=bool)
+    for m in flags.values():
+        any_set |= m
+    rows = np.flatnonzero(any_set)  # rare: only rows with a violation are formatted
+    if len(rows):
+        names = np.array(list(flags))
+        mat = np.column_stack([flags[k][rows] for k in flags])
+        out[rows] = [",".join(names[row]) for row in mat]
+    return out
+
+
+def _hit_class(requests: pd.DataFrame) -> pd.Categorical:
+    """cold / partial / full from the accounting; null where the input lacks the counts."""
+    n = len(requests)
+    need = ("device_hit_tokens", "host_loaded_tokens", "remote_loaded_tokens", "lookup_tokens")
+    known = np.ones(n, dtype=bool)
+    for c in need:
+        known &= F.valid(requests[c]) if c in requests else np.zeros(n, dtype=bool)
+
+    def col(c: str) -> np.ndarray:
+        return F.ints(requests[c], 0) if c in requests else np.zeros(n, np.int64)
+
+    reused = col("device_hit_tokens") + col("host_loaded_tokens") + col("remote_loaded_tokens")
+    lookup = col("lookup_tokens")
+    code = np.where(reused <= 0, 0, np.where((lookup > 0) & (reused >= lookup), 2, 1))
+    return pd.Categorical.from_codes(np.where(known, code, -1), dtype=_HIT_DTYPE)
+
+
+def partition(
+    requests: pd.DataFrame,
+    spans: pd.DataFrame,
+    *,
+    activity_stages: Mapping[str, str] = ACTIVITY_STAGES,
+    load_activities: Sequence[str] = LOAD_ACTIVITIES,
+) -> pd.DataFrame:
+    """The TTFT partition: one row per request, in the order of `requests`.
+
+    Args:
+        requests: the run store's ``requests`` frame (``request_id, arrival_ns,
+            first_token_ns`` required; ``finish_ns, status, tenant, workload_class,
+            output_tokens`` and the accounting columns used when present).
+        spans: the ``spans`` frame (``request_id, kind, name, start_ns, end_ns``).
+        activity_stages: activity name → stage, for requests without state spans.
+        load_activities: activity names whose overlap with queue time is hidden load time.
+
+    Returns:
+        DataFrame with ``request_id, tenant, workload_class, hit_class, status, arrival_ns,
+        first_token_ns``, one ``<stage>_ns`` column per TTFT stage, ``ttft_ns``,
+        ``hidden_load_ns`` (load activity of the request overlapping its queue time),
+        ``itl_ns`` (mean inter-token latency, float), ``e2e_ns``, ``derived`` (stages from
+        the activity sweep line, not state spans) and ``violation`` (comma-separated: ``gap``,
+        ``overlap``, ``outside``, ``negative``, ``no_spans``, ``first_token_before_arrival``;
+        null when clean). Integer columns are ``Int64``; they are null for a request without a
+        first token, whose TTFT is undefined.
+
+    Raises:
+        InputError: missing columns or duplicate request ids.
+        PartitionError: the stages of some request do not sum to its TTFT (a kvscope bug).
+    """
+    F.require_columns(requests, _REQUIRED_REQUESTS, "requests")
+    F.require_columns(spans, _REQUIRED_SPANS, "spans")
+    F.require_unique_ids(requests)
+    n = len(requests)
+    arrival = F.ints(requests["arrival_ns"])
+    first = F.ints(requests["first_token_ns"])
+    has_ft = F.valid(requests["first_token_ns"])
+    bad_first = has_ft & (first < arrival)
+    has_ft = has_ft & ~bad_first
+    ttft = np.where(has_ft, first - arrival, 0)
+
+    # Only attributed state and activity spans of requests with a first token can matter: select
+    # them once, so that every later pass runs over those rows alone (not steps, not others).
+    ridx = F.request_index(spans["request_id"], requests["request_id"])
+    is_state_kind = F.equals(spans["kind"], "state")
+    keep = (ridx >= 0) & (is_state_kind | F.equals(spans["kind"], "activity"))
+    keep[keep] = has_ft[ridx[keep]]
+    rows = np.flatnonzero(keep)
+    ridx = ridx[rows]
+    kind = np.where(is_state_kind[rows], _STATE, _ACTIVITY)
+    name_idx, name_values = F.categorize(spans["name"])
+    names = (name_idx[rows], name_values)
+    start = F.ints(spans["start_ns"], 0)[rows]
+    end = F.ints(spans["end_ns"], 0)[rows]
+
+    # ---- state spans: the recorded partition
+    state_stage = F.recode(names, TTFT_STAGES)
+    # A state span belongs to TTFT when it starts before the first token (a zero-length span at
+    # arrival too, so that a request with TTFT 0 still counts as recorded).
+    is_state = (kind == _STATE) & (state_stage >= 0)
+    is_state[is_state] = ((start[is_state] < first[ridx[is_state]])
+                          | (start[is_state] == arrival[ridx[is_state]]))
+    sr, s_start, s_end, s_stage = (ridx[is_state], start[is_state], end[is_state],
+                                   state_stage[is_state])
+    has_state = np.bincount(sr, minlength=n) > 0
+    tiles = has_state & _tiles(sr, s_start, s_end, arrival, first, n)
+    stage_ns = np.zeros((n, _K), dtype=np.int64)
+    fast = tiles[sr]
+    np.add.at(stage_ns.reshape(-1), sr[fast] * _K + s_stage[fast], (s_end - s_start)[fast])
+
+    flags: dict[str, np.ndarray] = {}
+    broken = has_state & ~tiles
+    if broken.any():
+        flags.update(_resolve_broken(broken, sr, s_start, s_end, s_stage, arrival, first, ttft,
+                                     stage_ns))
+
+    # ---- activity-only requests: the derived partition
+    derived = has_ft & ~has_state
+    act_stage = F.recode(names, {a: TTFT_STAGES.index(s) for a, s in activity_stages.items()})
+    is_act = kind == _ACTIVITY
+    use = is_act & (act_stage >= 0)
+    use[use] = derived[ridx[use]]
+    covered = np.zeros(n, dtype=bool)
+    if derived.any():
+        covered = _derive(derived, ridx[use], start[use], end[use], act_stage[use], arrival,
+                          ttft, stage_ns)
+    flags["no_spans"] = derived & ~covered & (ttft > 0)
+    flags["first_token_before_arrival"] = bad_first
+
+    # ---- hidden load time: the request's own loads overlapping its queue time
+    is_load = is_act & (F.recode(names, list(load_activities)) >= 0)
+    hidden = _hidden_load(
+        _Sel(ridx[is_load], start[is_load], end[is_load], act_stage[is_load]),
+        _Sel(sr, s_start, s_end, s_stage),
+        _Sel(ridx[use], start[use], end[use], act_stage[use]),
+        has_state, tiles, derived, arrival, ttft, stage_ns,
+    )
+
+    sums = stage_ns.sum(axis=1)
+    wrong = has_ft & (sums != ttft)
+    if wrong.any():
+        ids = requests["request_id"].to_numpy()[wrong][:5]
+        raise PartitionError("stages do not sum to ttft_ns for request(s) "
+                             f"{', '.join(map(str, ids))}")
+    return _frame(requests, stage_ns, ttft, hidden, has_ft, derived, _flag_text(flags, n))
+
+
+def _resolve_broken(broken: np.ndarray, sr: np.ndarray, s_start: np.ndarray, s_end: np.ndarray,
+                    s_stage: np.ndarray, arrival: np.ndarray, first: np.ndarray,
+                    ttft: np.ndarray, stage_ns: np.ndarray) -> dict[str, np.ndarray]:
+    """Re-partition requests whose state spans do not tile TTFT; return what was wrong."""
+    n = len(broken)
+    ids = np.flatnonzero(broken)
+    compact = np.full(n, -1, dtype=np.int64)
+    compact[ids] = np.arange(len(ids))
+    sel = broken[sr]
+    g = compact[sr[sel]]
+    st, en, stg = s_start[sel], s_end[sel], s_stage[sel]
+    negative = np.zeros(n, dtype=bool)
+    negative[sr[sel][en < st]] = True
+    outside = np.zeros(n, dtype=bool)
+    outside[sr[sel][(st < arrival[sr[sel]]) | (en > first[sr[sel]])]] = True
+    cs, ce = clip_to_window(g, st, en, arrival[ids], first[ids])
+    part, union = priority_partition(g, cs, ce, stg, arrival[ids], ttft[ids])
+    stage_ns[ids] = part
+    total = np.zeros(len(ids), dtype=np.int64)
+    np.add.at(total, g, ce - cs)
+    gap = np.zeros(n, dtype=bool)
+    gap[ids] = union < ttft[ids]
+    overlap = np.zeros(n, dtype=bool)
+    overlap[ids] = total > union
+    return {"gap": gap, "overlap": overlap, "outside": outside, "negative": negative}
+
+
+def _derive(derived: np.ndarray, r: np.ndarray, start: np.ndarray, end: np.ndarray,
+            stage: np.ndarray, arrival: np.ndarray, ttft: np.ndarray,
+            stage_ns: np.ndarray) -> np.ndarray:
+    """Sweep-line partition of activity-only requests into `stage_ns`; returns which requests
+    had any activity span inside their TTFT window."""
+    ids = np.flatnonzero(derived)
+    compact = np.full(len(derived), -1, dtype=np.int64)
+    compact[ids] = np.arange(len(ids))
+    g = compact[r]
+    cs, ce = clip_to_window(g, start, end, arrival[ids], arrival[ids] + ttft[ids])
+    part, union = priority_partition(g, cs, ce, stage, arrival[ids], ttft[ids])
+    stage_ns[ids] = part
+    covered = np.zeros(len(derived), dtype=bool)
+    covered[ids] = union > 0
+    return covered
+
+
+@dataclass(slots=True, frozen=True)
+class _Sel:
+    """A selection of spans: request row, bounds and `TTFT_STAGES` index (-1 when none)."""
+
+    r: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    stage: np.ndarray
+
+    def where(self, mask: np.ndarray) -> _Sel:
+        return _Sel(self.r[mask], self.start[mask], self.end[mask], self.stage[mask])
+
+
+def _hidden_load(loads: _Sel, states: _Sel, acts: _Sel, has_state: np.ndarray,
+                 tiles: np.ndarray, derived: np.ndarray, arrival: np.ndarray, ttft: np.ndarray,
+                 stage_ns: np.ndarray) -> np.ndarray:
+    """Time each request's own load activity (L) overlaps its queue time (Q).
+
+    Recorded partitions: queue spans are disjoint, so |Q ∩ L| = |Q| + |L| - |Q ∪ L| with
+    |Q| = queue_ns. Otherwise (derived or repaired requests) Q is where ``queue`` owns the
+    sweep line: |Q ∩ L| = |P<=queue ∩ L| - |P<queue ∩ L| (P<=k: spans ranked at or above k),
+    and |P ∩ L| = |P| + |L| - |P ∪ L| again.
+    """
+    n = len(tiles)
+    hidden = np.zeros(n, dtype=np.int64)
+    origin, stop = arrival, arrival + ttft
+
+    def compact_ids(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        mask = np.zeros(n, dtype=bool)
+        mask[rows] = True
+        ids = np.flatnonzero(mask)
+        compact = np.full(n, -1, dtype=np.int64)
+        compact[ids] = np.arange(len(ids))
+        return ids, compact
+
+    # Recorded partitions. Only loads reaching into the hull of the request's queue spans can
+    # overlap them; most (H2D after admission) cannot and are dropped before any sort.
+    q = states.where(states.stage == _QUEUE)
+    q = q.where(tiles[q.r])
+    q_lo = np.full(n, np.iinfo(np.int64).max)
+    q_hi = np.full(n, np.iinfo(np.int64).min)
+    np.minimum.at(q_lo, q.r, q.start)
+    np.maximum.at(q_hi, q.r, q.end)
+    cand = loads.where(tiles[loads.r])
+    cand = cand.where((cand.start < q_hi[cand.r]) & (cand.end > q_lo[cand.r]))
+    if len(cand.r):
+        ids, compact = compact_ids(cand.r)
+        lg = compact[cand.r]
+        ls, le = clip_to_window(lg, cand.start, cand.end, origin[ids], stop[ids])
+        q = q.where(compact[q.r] >= 0)
+        qg = compact[q.r]
+        qs, qe = clip_to_window(qg, q.start, q.end, origin[ids], stop[ids])
+        # L at level 0, Q at level 1: |L| and |L ∪ Q|.
+        u = nested_union_lengths(np.r_[lg, qg], np.r_[ls, qs], np.r_[le, qe],
+                                 np.r_[np.zeros(len(lg), np.int64), np.ones(len(qg), np.int64)],
+                                 origin[ids], ttft[ids], 2)
+        hidden[ids] = stage_ns[ids, _QUEUE] + u[0] - u[1]
+
+    # Derived and repaired partitions: the sweep line's queue time.
+    other = loads.where((derived | (has_state & ~tiles))[loads.r])
+    if not len(other.r):
+        return hidden
+    ids, compact = compact_ids(other.r)
+    lg = compact[other.r]
+    ls, le = clip_to_window(lg, other.start, other.end, origin[ids], stop[ids])
+    # Repaired partitions come from their state spans, derived ones from their activities
+    # (`acts` holds only derived requests' spans, `states` none of theirs).
+    p = _Sel(*(np.r_[a, b] for a, b in zip(
+        (states.r, states.start, states.end, states.stage),
+        (acts.r, acts.start, acts.end, acts.stage), strict=True)))
+    p = p.where(compact[p.r] >= 0)
+    pg = compact[p.r]
+    ps, pe = clip_to_window(pg, p.start, p.end, origin[ids], stop[ids])
+    q_rank = int(STAGE_RANK[_QUEUE])
+    # L at level 0, P at rank + 1: row k + 1 is |L ∪ P<=k|.
+    u = nested_union_lengths(np.r_[lg, pg], np.r_[ls, ps], np.r_[le, pe],
+                             np.r_[np.zeros(len(lg), np.int64), STAGE_RANK[p.stage] + 1],
+                             origin[ids], ttft[ids], q_rank + 2)
+    hidden[ids] = stage_ns[ids, _QUEUE] - u[q_rank + 1] + u[q_rank]
+    return hidden
+
+
+def _frame(requests: pd.DataFrame, stage_ns: np.ndarray, ttft: np.ndarray, hidden: np.ndarray,
+           has_ft: np.ndarray, derived: np.ndarray, violation: np.ndarray) -> pd.DataFrame:
+    n = len(requests)
+    na = ~has_ft
+
+    def nullable(values: np.ndarray, mask: np.ndarray) -> pd.arrays.IntegerArray:
+        return pd.arrays.IntegerArray(values.astype(np.int64, copy=False), mask)
+
+    def opt(col: str) -> pd.Series:
+        if col in requests:
+            return requests[col].reset_index(drop=True)  # zero-copy: no Python strings
+        return pd.Series(pd.array([None] * n, dtype="str"))
+
+    out: dict[str, object] = {
+        "request_id": requests["request_id"].reset_index(drop=True),
+        "tenant": opt("tenant"),
+        "workload_class": opt("workload_class"),
+        "hit_class": _hit_class(requests),
+        "status": opt("status"),
+        "arrival_ns": F.ints(requests["arrival_ns"]),
+        "first_token_ns": nullable(F.ints(requests["first_token_ns"], 0), na),
+    }
+    for j, col in enumerate(STAGE_COLUMNS):
+        out[col] = nullable(stage_ns[:, j], na)
+    out["ttft_ns"] = nullable(ttft, na)
+    out["hidden_load_ns"] = nullable(hidden, na)
+    first = F.ints(requests["first_token_ns"], 0)
+    if "finish_ns" in requests:
+        finish = F.ints(requests["finish_ns"], 0)
+        has_fin = F.valid(requests["finish_ns"])
+    else:
+        finish, has_fin = np.zeros(n, np.int64), np.zeros(n, bool)
+    arrival = out["arrival_ns"]
+    out_tok = (F.ints(requests["output_tokens"], 0) if "output_tokens" in requests
+               else np.zeros(n, np.int64))
+    itl_ok = has_ft & has_fin & (out_tok > 1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out["itl_ns"] = np.where(itl_ok, (finish - first) / np.maximum(out_tok - 1, 1), np.nan)
+    out["e2e_ns"] = nullable(finish - arrival, ~has_fin)
+    out["derived"] = derived
+    out["violation"] = pd.array(violation, dtype="str")
+    return pd.DataFrame(out, index=pd.RangeIndex(n))
+
+
+def violations(part: pd.DataFrame) -> pd.DataFrame:
+    """The rows of a partition whose input broke the partition rules (``violation`` set)."""
+    return part.loc[part["violation"].notna(), ["request_id", "violation", "ttft_ns", "derived"]]

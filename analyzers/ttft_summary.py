@@ -1,0 +1,286 @@
+"""Aggregates of a TTFT partition: per-stage percentiles and shares, the slowest requests, and
+percentiles over time windows — optionally per tenant, workload class or hit class.
+
+Percentiles use numpy's default definition (linear interpolation between order statistics).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from agent.errors import InputError
+from agent.schema import TTFT_STAGES
+from analyzers import frames as F
+
+QUANTILES: tuple[float, ...] = (0.5, 0.9, 0.99)
+_QCOLS = ("p50_ns", "p90_ns", "p99_ns")
+#: What `summarize` reports on, besides the stages.
+EXTRA_ROWS: tuple[str, ...] = ("ttft", "hidden_load")
+GROUPABLE: tuple[str, ...] = ("tenant", "workload_class", "hit_class", "status", "derived")
+# Candidate window lengths: 1-2-5 steps from 1 ms to about a day.
+_NICE_WINDOWS_NS = tuple(m * 10**e for e in range(6, 14) for m in (1, 2, 5))
+
+
+@dataclass(slots=True, frozen=True)
+class TTFTSummary:
+    """What `summarize` returns.
+
+    Attributes:
+        requests: requests with a first token (the population of every figure).
+        without_first_token: requests excluded because they never produced a first token.
+        derived: requests whose stages come from the activity sweep line.
+        violations: requests whose spans broke the partition rules (see ``partition``).
+        by: the grouping columns (empty for the whole run).
+        stages: one row per (group,) stage, ``ttft`` and ``hidden_load``: ``requests, p50_ns,
+            p90_ns, p99_ns, mean_ns, total_ns``, ``share_mean`` (mean over requests of the
+            stage's share of that request's TTFT) and ``share_of_total`` (``total_ns`` over the
+            summed TTFT).
+        slowest: per (group,) stage, the requests at or above the p99 TTFT: ``threshold_ns``,
+            ``requests``, ``mean_ns`` and ``share`` (of their summed TTFT; sums to 1).
+        windows: per window of ``window_ns`` by arrival: ``window_start_ns, requests`` and
+            ``ttft``/stage ``p50_ns``/``p90_ns``/``p99_ns`` as ``<name>_p50_ns`` columns.
+        window_ns: the window length.
+    """
+
+    requests: int
+    without_first_token: int
+    derived: int
+    violations: int
+    by: tuple[str, ...]
+    stages: pd.DataFrame
+    slowest: pd.DataFrame
+    windows: pd.DataFrame
+    window_ns: int
+
+    def stage(self, name: str) -> dict[str, Any]:
+        """The `stages` row of `name` for an ungrouped summary, as a dict."""
+        row = self.stages.loc[self.stages["stage"] == name]
+        return {k: _py(v) for k, v in row.iloc[0].items()} if len(row) else {}
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form: ``{requests, without_first_token, derived, violations, by,
+        window_ns, stages: [row...], slowest: [row...], windows: [row...]}``."""
+        return {
+            "requests": self.requests,
+            "without_first_token": self.without_first_token,
+            "derived": self.derived,
+            "violations": self.violations,
+            "by": list(self.by),
+            "window_ns": self.window_ns,
+            "stages": records(self.stages),
+            "slowest": records(self.slowest),
+            "windows": records(self.windows),
+        }
+
+
+def _py(v: Any) -> Any:
+    """numpy/pandas scalar → plain Python (NaN/NA → None) for JSON."""
+    if v is None or v is pd.NA:
+        return None
+    if isinstance(v, (np.integer,)):
+        return int(v)
+    if isinstance(v, (float, np.floating)):
+        return None if np.isnan(v) else float(v)
+    if isinstance(v, np.bool_):
+        return bool(v)
+    return v
+
+
+def records(df: pd.DataFrame) -> list[dict[str, Any]]:
+    """Rows of `df` as JSON-ready dicts, column order kept."""
+    cols = list(df.columns)
+    return [{c: _py(v) for c, v in zip(cols, row, strict=True)}
+            for row in df.itertuples(index=False, name=None)]
+
+
+def default_window_ns(arrival_ns: np.ndarray) -> int:
+    """A round window length giving about ten windows over the arrivals."""
+    if len(arrival_ns) == 0:
+        return _NICE_WINDOWS_NS[0]
+    span = int(arrival_ns.max() - arrival_ns.min())
+    for w in _NICE_WINDOWS_NS:
+        if w * 10 >= span:
+            return w
+    return _NICE_WINDOWS_NS[-1]
+
+
+def _values(served: pd.DataFrame) -> pd.DataFrame:
+    """int64 stage/ttft/hidden columns plus per-stage shares of TTFT (NaN when TTFT is 0).
+
+    Built column by column from 1-D arrays, so every column stays contiguous (the quantiles
+    below partition each column in place of a strided one).
+    """
+    names = [*TTFT_STAGES, *EXTRA_ROWS]
+    cols = [*F.STAGE_COLUMNS, "ttft_ns", "hidden_load_ns"]
+    data = {name: F.ints(served[c], 0) for name, c in zip(names, cols, strict=True)}
+    ttft = data["ttft"].astype(np.float64)
+    inv = np.divide(1.0, ttft, out=np.full(len(ttft), np.nan), where=ttft > 0)
+    for name in names:
+        data[f"share:{name}"] = data[name] * inv
+    return pd.DataFrame(data, index=served.index, copy=False)
+
+
+def _group_keys(served: pd.DataFrame, by: tuple[str, ...]) -> list[pd.Series]:
+    return [served[c].astype(object).where(served[c].notna(), "(none)") for c in by]
+
+
+def summarize(
+    part: pd.DataFrame,
+    by: str | Sequence[str] | None = None,
+    *,
+    window_ns: int | None = None,
+) -> TTFTSummary:
+    """Aggregate a partition (the output of ``partition``).
+
+    Args:
+        part: the partition frame.
+        by: optional grouping column(s): ``tenant``, ``workload_class``, ``hit_class``,
+            ``status`` or ``derived``.
+        window_ns: window length for percentiles over time (default: a round length giving
+            about ten windows).
+
+    Returns:
+        a `TTFTSummary`; requests without a first token are counted, not aggregated.
+    """
+    by_t: tuple[str, ...] = () if by is None else ((by,) if isinstance(by, str) else tuple(by))
+    for c in by_t:
+        if c not in GROUPABLE or c not in part:
+            raise InputError(f"--by {c}: expected one of {', '.join(GROUPABLE)}")
+    if window_ns is not None and window_ns <= 0:
+        raise InputError(f"window_ns: must be > 0, got {window_ns}")
+    has_ft = F.valid(part["ttft_ns"])
+    served = part.loc[has_ft]
+    vals = _values(served)
+    keys = _group_keys(served, by_t) if by_t else [pd.Series("all", index=served.index)]
+    names = [*TTFT_STAGES, *EXTRA_ROWS]
+    stages = _stage_table(vals, keys, names, by_t)
+    slowest = _slowest(vals, keys, by_t)
+    arrival = F.ints(served["arrival_ns"])
+    w = window_ns or default_window_ns(arrival)
+    windows = _windows(vals, arrival, w)
+    stages, slowest, windows = (_tidy(x) for x in (stages, slowest, windows))
+    return TTFTSummary(
+        requests=int(has_ft.sum()),
+        without_first_token=int((~has_ft).sum()),
+        derived=int(served["derived"].sum()),
+        violations=int(part["violation"].notna().sum()),
+        by=by_t,
+        stages=stages,
+        slowest=slowest,
+        windows=windows,
+        window_ns=int(w),
+    )
+
+
+def _tidy(df: pd.DataFrame) -> pd.DataFrame:
+    """Round float ns columns to 1e-3 ns: interpolated percentiles carry float noise such as
+    5596000.000000001 that means nothing at ns resolution."""
+    for c in df.columns:
+        if c.endswith("_ns") and df[c].dtype == np.float64:
+            df[c] = df[c].round(3)
+    return df
+
+
+def _stack(parts: dict[str, pd.DataFrame], by: tuple[str, ...]) -> pd.DataFrame:
+    """{stat: (groups x stages)} → one row per (group, stage) with one column per stat."""
+    long = pd.DataFrame({k: v.stack(future_stack=True) for k, v in parts.items()})
+    long.index = long.index.set_names([*(by or ("_group",)), "stage"])
+    long = long.reset_index()
+    return long.drop(columns="_group") if not by else long
+
+
+def _stage_table(vals: pd.DataFrame, keys: list[pd.Series], names: list[str],
+                 by: tuple[str, ...]) -> pd.DataFrame:
+    if not by:
+        return _stage_table_all(vals, names)
+    g = vals[names].groupby(keys, sort=True, observed=True)
+    parts = {col: g.quantile(q) for q, col in zip(QUANTILES, _QCOLS, strict=True)}
+    parts["mean_ns"] = g.mean()
+    total = g.sum()
+    parts["total_ns"] = total
+    share = vals[[f"share:{n}" for n in names]].groupby(keys, sort=True, observed=True).mean()
+    share.columns = names
+    parts["share_mean"] = share
+    parts["share_of_total"] = total.div(total["ttft"].where(total["ttft"] > 0), axis=0)
+    out = _stack(parts, by)
+    counts = g.size()
+    out.insert(len(by) + 1, "requests",
+               np.repeat(counts.to_numpy(dtype=np.int64), len(names)))
+    out["total_ns"] = out["total_ns"].astype(np.int64)
+    return out
+
+
+def _stage_table_all(vals: pd.DataFrame, names: list[str]) -> pd.DataFrame:
+    """`_stage_table` for the whole run: numpy's selection-based quantiles, no groupby sort."""
+    n = len(vals)
+    cols = [vals[x].to_numpy() for x in names]
+    nan = np.full(len(names), np.nan)
+    q = np.array([np.quantile(c, QUANTILES) for c in cols]).T if n else \
+        np.full((len(QUANTILES), len(names)), np.nan)
+    with np.errstate(invalid="ignore"):
+        share = np.array([np.nanmean(vals[f"share:{x}"].to_numpy())
+                          if np.isfinite(vals[f"share:{x}"].to_numpy()).any() else np.nan
+                          for x in names]) if n else nan
+    total = np.array([int(c.sum()) for c in cols], dtype=np.int64)
+    ttft_total = total[names.index("ttft")]
+    return pd.DataFrame({
+        "stage": names,
+        "requests": np.full(len(names), n, dtype=np.int64),
+        **{col: q[i] for i, col in enumerate(_QCOLS)},
+        "mean_ns": total / n if n else nan,
+        "total_ns": total,
+        "share_mean": share,
+        "share_of_total": total / ttft_total if ttft_total > 0 else nan,
+    })
+
+
+def _slowest(vals: pd.DataFrame, keys: list[pd.Series], by: tuple[str, ...]) -> pd.DataFrame:
+    names = list(TTFT_STAGES)
+    cols = [*by, "stage", "threshold_ns", "requests", "mean_ns", "share"]
+    if not len(vals):
+        return pd.DataFrame(columns=cols)
+    ttft = vals["ttft"]
+    if by:
+        thr_by_group = ttft.groupby(keys, sort=True, observed=True).quantile(0.99)
+        key_frame = pd.DataFrame({f"k{i}": k for i, k in enumerate(keys)})
+        where = pd.MultiIndex.from_frame(key_frame) if len(keys) > 1 else pd.Index(keys[0])
+        threshold = thr_by_group.reindex(where).to_numpy()
+    else:
+        threshold = np.quantile(ttft.to_numpy(), 0.99)
+        thr_by_group = pd.Series([threshold], index=pd.Index(["all"]))
+    slow = ttft.to_numpy() >= threshold
+    sv = vals.loc[slow, [*names, "ttft"]]
+    g = sv.groupby([k.loc[slow] for k in keys], sort=True, observed=True)
+    tot = g.sum()
+    parts = {
+        "mean_ns": g.mean()[names],
+        "share": tot[names].div(tot["ttft"].where(tot["ttft"] > 0), axis=0),
+    }
+    out = _stack(parts, by)
+    counts = g.size()
+    out.insert(len(by) + 1, "threshold_ns",
+               np.repeat(thr_by_group.reindex(counts.index).to_numpy(), len(names)))
+    out.insert(len(by) + 2, "requests", np.repeat(counts.to_numpy(dtype=np.int64), len(names)))
+    return out[cols]
+
+
+def _windows(vals: pd.DataFrame, arrival: np.ndarray, window_ns: int) -> pd.DataFrame:
+    names = ["ttft", *TTFT_STAGES]
+    cols = ["window_start_ns", "requests", *(f"{n}_{q}" for n in names for q in _QCOLS)]
+    if not len(vals):
+        return pd.DataFrame(columns=cols)
+    start = (arrival // window_ns) * window_ns
+    g = vals[names].groupby(start, sort=True)
+    qv = g.quantile(list(QUANTILES))  # one sort per column for all three quantiles
+    out = pd.DataFrame({"requests": g.size()})
+    for q, qc in zip(QUANTILES, _QCOLS, strict=True):
+        at = qv.xs(q, level=-1)
+        for n in names:
+            out[f"{n}_{qc}"] = at[n]
+    out = out.reset_index(names="window_start_ns")
+    return out.reindex(columns=cols)

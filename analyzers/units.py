@@ -1,0 +1,35 @@
+"""Human-readable durations for reports (the frames themselves stay in integer ns)."""
+
+from __future__ import annotations
+
+import math
+
+
+def fmt_ns(ns: float | int | None, *, signed: bool = False) -> str:
+    """A duration in ns as ``850 µs``, ``12.5 ms``, ``1.23 s``; ``-`` for None/NaN.
+
+    Args:
+        ns: the duration.
+        signed: prefix ``+`` to non-negative values (for deltas).
+    """
+    if ns is None or (isinstance(ns, float) and math.isnan(ns)):
+        return "-"
+    sign = "+" if signed and ns >= 0 else ("-" if ns < 0 else "")
+    v = abs(float(ns))
+    for scale, unit in ((1e9, "s"), (1e6, "ms"), (1e3, "µs")):
+        if v >= scale * 0.9995:  # so that 999.9 µs prints as 1.00 ms, not 1,000 µs
+            return f"{sign}{_three_digits(v / scale)} {unit}"
+    return f"{sign}{v:.0f} ns"
+
+
+def _three_digits(x: float) -> str:
+    """Three significant digits, trailing zeros kept (``5.60``, ``10.0``, ``250``)."""
+    digits = 2 if x < 9.995 else (1 if x < 99.95 else 0)
+    return f"{x:,.{digits}f}"
+
+
+def fmt_pct(x: float | None, *, signed: bool = False, digits: int = 1) -> str:
+    """A fraction as a percentage (``0.351`` → ``35.1 %``); ``-`` for None/NaN."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{100 * x:{'+' if signed else ''}.{digits}f} %"

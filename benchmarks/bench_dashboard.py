@@ -1,0 +1,245 @@
+"""First render of each dashboard page on a large synthetic run, against the golden run.
+
+    .venv/bin/python benchmarks/bench_dashboard.py [--requests 100000] [--repeat 3]
+
+Builds a run store (``analyzers.synthetic`` requests and spans, plus layers, pool, NVML and NIC
+samples and eviction events generated here) in a temporary directory, then renders every page
+with Streamlit's AppTest. For each repeat, and interleaved with the same measurements on the
+small golden run (the baseline, so machine noise hits both alike):
+
+- ``cold``: the page rendered with empty caches (load + analyses + figures);
+- ``first``: the page's first render after Overview has loaded the run (what a user switching
+  pages waits for);
+- ``warm``: a rerender with everything cached (what a widget interaction costs).
+
+Prints medians (and min/max over repeats) per page, and the ratio large / golden.
+
+With ``--browser`` it also serves both runs with ``kvscope dashboard`` and times each page in
+headless Chromium (navigation until the page has stopped running and its figures are drawn):
+the first visit, then a second one, for the large runs and the golden run alternately.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from agent.schema import TABLES  # noqa: E402
+
+APP = REPO / "dashboard" / "streamlit_app.py"
+GOLDEN = REPO / "tests" / "golden" / "run"
+PAGES = ("views/overview.py", "views/requests.py", "views/kv_cache.py", "views/hardware.py",
+         "views/compare.py")
+_LAYERS = 4
+_SAMPLE_NS = 100_000_000  # collectors sample every 100 ms
+
+
+def _extra_tables(requests: pa.Table, rng: np.random.Generator) -> dict[str, pa.Table]:
+    """Layers, samples and events consistent with the synthetic requests' accounting."""
+    n = requests.num_rows
+    col = {c: requests[c].to_numpy() for c in ("prompt_tokens", "device_hit_tokens",
+                                                "host_loaded_tokens", "remote_loaded_tokens",
+                                                "recomputed_tokens", "arrival_ns")}
+    ids = requests["request_id"].combine_chunks()
+    loaded = col["host_loaded_tokens"] + col["remote_loaded_tokens"]
+    layers = pa.table({
+        "request_id": ids.take(pa.array(np.repeat(np.arange(n), _LAYERS))),
+        "layer": pa.array(np.tile(np.arange(_LAYERS, dtype=np.int32), n)),
+        "hit_tokens": pa.array(np.repeat(col["device_hit_tokens"], _LAYERS)),
+        "loaded_tokens": pa.array(np.repeat(loaded, _LAYERS)),
+        "recomputed_tokens": pa.array(np.repeat(col["recomputed_tokens"], _LAYERS)),
+        "prompt_tokens": pa.array(np.repeat(col["prompt_tokens"], _LAYERS)),
+        "load_ns": pa.array(np.repeat(loaded * 400, _LAYERS)),
+        "wait_ns": pa.array(np.repeat(loaded * 40, _LAYERS)),
+    }, schema=TABLES["layers"])
+    t0, t1 = int(col["arrival_ns"].min()), int(col["arrival_ns"].max())
+    ts = np.arange(t0, t1 + _SAMPLE_NS, _SAMPLE_NS, dtype=np.int64)
+    k = len(ts)
+    in_use = rng.integers(100, 900, k).astype(np.float64)
+    cached = np.floor((1000 - in_use) * rng.uniform(0.5, 1.0, k))
+    series = [
+        ("pool", "device", "in_use", in_use, "blocks"),
+        ("pool", "device", "cached_free", cached, "blocks"),
+        ("pool", "device", "empty", 1000 - in_use - cached, "blocks"),
+        ("nvml", "0", "gpu_pcie_receive_bytes_per_second", rng.uniform(1e8, 2e10, k),
+         "bytes_per_second"),
+        ("nvml", "0", "gpu_utilization_ratio", rng.uniform(0.2, 1.0, k), "ratio"),
+        ("nic", "eth0", "nic_receive_bytes_total", np.cumsum(rng.uniform(1e6, 1e9, k)),
+         "bytes"),
+        ("nic", "eth1", "nic_receive_bytes_total", np.cumsum(rng.uniform(1e6, 1e8, k)),
+         "bytes"),
+    ]
+    samples = pa.table({
+        "ts_ns": pa.array(np.tile(ts, len(series))),
+        "source": pa.array(np.repeat([s[0] for s in series], k)),
+        "entity": pa.array(np.repeat([s[1] for s in series], k)),
+        "metric": pa.array(np.repeat([s[2] for s in series], k)),
+        "value": pa.array(np.concatenate([s[3] for s in series])),
+        "unit": pa.array(np.repeat([s[4] for s in series], k)),
+    }, schema=TABLES["samples"])
+    m = max(n // 50, 1)
+    events = pa.table({
+        "ts_ns": pa.array(np.sort(rng.integers(t0, t1 + 1, m))),
+        "source": pa.array(np.full(m, "engine")), "name": pa.array(np.full(m, "eviction")),
+        "request_id": pa.nulls(m, pa.string()),
+        "detail": pa.array(np.full(m, '{"blocks": 16, "tier": "device"}')),
+    }, schema=TABLES["events"])
+    return {"layers": layers, "samples": samples, "events": events}
+
+
+def build_run(path: Path, requests: int, *, seed: int = 0, **knobs: float) -> Path:
+    """Write a synthetic run store of `requests` requests to `path`; returns `path`."""
+    from agent.runstore import RunStoreWriter
+    from analyzers.synthetic import SyntheticConfig, generate
+
+    tables = generate(SyntheticConfig(requests=requests, seed=seed, **knobs))
+    tables.update(_extra_tables(tables["requests"], np.random.default_rng(seed + 1)))
+    w = RunStoreWriter(path, config={"workload": f"synthetic {requests}"},
+                       run_id=f"synthetic-{requests}")
+    w.write_all(tables)
+    w.close()
+    return path
+
+
+def _render(runs: list[str], page: str, *, clear: bool, before: str | None = None,
+            rerender: bool = False) -> float:
+    """Seconds for one page render in AppTest (after optional cache clearing and a prior page)."""
+    import streamlit as st
+    from streamlit.testing.v1 import AppTest
+
+    if clear:
+        st.cache_data.clear()
+        st.cache_resource.clear()
+    at = AppTest.from_file(str(APP), default_timeout=600)
+    at.session_state["kvscope_runs"] = runs
+    if before is not None:
+        at.switch_page(before)
+        at.run()
+    at.switch_page(page)
+    if rerender:
+        at.run()
+    t = time.perf_counter()
+    at.run()
+    dt = time.perf_counter() - t
+    if at.exception:
+        raise RuntimeError(f"{page}: {at.exception[0].message}")
+    return dt
+
+
+_BROWSER_PAGES = (("", "Top findings", 2), ("requests", "Token accounting", 2),
+                  ("kv_cache", "Evictions", 4), ("hardware", "samples from", 1),
+                  ("compare", "Token accounting, A vs B", 1))
+
+
+def _browser_times(runs: list[str], profile: Path) -> dict[tuple[str, str], float]:
+    """Seconds per (visit, page) in headless Chromium against `kvscope dashboard RUNS`."""
+    import json
+    import subprocess
+
+    from websockets.sync.client import connect
+
+    from tests.conftest import free_port
+    from tests.dashboard.test_browser import DevTools, _wait_http
+
+    port, cdp = free_port(), free_port()
+    dash = subprocess.Popen([sys.executable, "-m", "agent.cli", "dashboard", *runs, "--port",
+                             str(port)], cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    chrome = subprocess.Popen(
+        ["/usr/bin/chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+         "--no-first-run", "--disable-background-networking", "--disable-component-update",
+         "--disable-sync", f"--user-data-dir={profile}", "--window-size=1400,1000",
+         f"--remote-debugging-port={cdp}", "about:blank"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out: dict[tuple[str, str], float] = {}
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_http(f"{url}/_stcore/health", dash, time.monotonic() + 120)
+        targets = json.loads(_wait_http(f"http://127.0.0.1:{cdp}/json/list", chrome,
+                                        time.monotonic() + 120))
+        page = next(t for t in targets if t["type"] == "page")
+        with connect(page["webSocketDebuggerUrl"], max_size=None) as ws:
+            tools = DevTools(ws)
+            for visit in ("first", "second"):
+                for path, until, plots in _BROWSER_PAGES:
+                    t = time.perf_counter()
+                    tools.load(f"{url}/{path}", until, plots)
+                    out[(visit, path or "overview")] = time.perf_counter() - t
+    finally:
+        for proc in (chrome, dash):
+            proc.terminate()
+            proc.wait(timeout=30)
+    return out
+
+
+def _report_browser(cases: dict[str, list[str]], repeat: int, tmp: Path) -> None:
+    res: dict[tuple[str, str, str], list[float]] = {}
+    for i in range(repeat):
+        for name, runs in cases.items():
+            for key, dt in _browser_times(runs, tmp / f"profile-{name}-{i}").items():
+                res.setdefault((name, *key), []).append(dt)
+    print(f"\nheadless Chromium\n{'page':<12}{'visit':<8}{'large median s':>15}"
+          f"{'[min, max]':>18}{'golden s':>10}{'ratio':>8}")
+    for path, _, _ in _BROWSER_PAGES:
+        for visit in ("first", "second"):
+            big = res[("large", visit, path or "overview")]
+            small = res[("golden", visit, path or "overview")]
+            mb, ms = statistics.median(big), statistics.median(small)
+            print(f"{path or 'overview':<12}{visit:<8}{mb:>15.2f}"
+                  f"{f'[{min(big):.2f}, {max(big):.2f}]':>18}{ms:>10.2f}{mb / ms:>8.1f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=100_000)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--browser", action="store_true",
+                    help="also time each page in headless Chromium (/usr/bin/chromium)")
+    args = ap.parse_args()
+    import logging
+
+    logging.getLogger("streamlit").setLevel(logging.ERROR)
+    with tempfile.TemporaryDirectory() as tmp:
+        t = time.perf_counter()
+        big_a = str(build_run(Path(tmp) / "a", args.requests, seed=0))
+        big_b = str(build_run(Path(tmp) / "b", args.requests, seed=1, remote_read_scale=3.0))
+        print(f"built two {args.requests:,}-request runs in {time.perf_counter() - t:.1f} s")
+        cases = {"large": [big_a, big_b], "golden": [str(GOLDEN), str(GOLDEN)]}
+        res: dict[tuple[str, str, str], list[float]] = {}
+        for _ in range(args.repeat):
+            for page in PAGES:
+                for name, runs in cases.items():  # interleaved: noise hits both alike
+                    res.setdefault((name, page, "cold"), []).append(
+                        _render(runs, page, clear=True))
+                    res.setdefault((name, page, "first"), []).append(
+                        _render(runs, page, clear=True, before="views/overview.py"))
+                    res.setdefault((name, page, "warm"), []).append(
+                        _render(runs, page, clear=False, rerender=True))
+        _report_apptest(res)
+        if args.browser:
+            _report_browser(cases, args.repeat, Path(tmp))
+
+
+def _report_apptest(res: dict[tuple[str, str, str], list[float]]) -> None:
+    print(f"AppTest\n{'page':<22}{'mode':<7}{'large median s':>15}{'[min, max]':>18}"
+          f"{'golden s':>10}{'ratio':>8}")
+    for page in PAGES:
+        for mode in ("cold", "first", "warm"):
+            big, small = res[("large", page, mode)], res[("golden", page, mode)]
+            mb, ms = statistics.median(big), statistics.median(small)
+            print(f"{page:<22}{mode:<7}{mb:>15.2f}{f'[{min(big):.2f}, {max(big):.2f}]':>18}"
+                  f"{ms:>10.2f}{mb / ms:>8.1f}")
+
+
+if __name__ == "__main__":
+    main()

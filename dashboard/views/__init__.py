@@ -1,0 +1,1 @@
+"""One module per dashboard page; `common` holds what every page shares (run picking, notes)."""

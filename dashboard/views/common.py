@@ -1,0 +1,85 @@
+"""What every page shares: which runs were given, which one is shown, and how it is labelled.
+
+The runs come from the command line (``streamlit run streamlit_app.py -- RUN ...``, which
+`kvscope dashboard` builds) or, in tests, from ``st.session_state["kvscope_runs"]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import streamlit as st
+
+from agent.errors import InputError
+from dashboard import data
+
+RUNS_KEY = "kvscope_runs"
+SELECTED_KEY = "kvscope_selected_run"
+
+
+@dataclass(slots=True, frozen=True)
+class Selected:
+    """The run a page shows: its path, version (cache key) and data."""
+
+    path: str
+    version: int
+    run: data.RunData
+
+
+def init_runs(argv: Sequence[str]) -> list[str]:
+    """The run paths of this session: session state if a test set it, else `argv`."""
+    if RUNS_KEY not in st.session_state:
+        st.session_state[RUNS_KEY] = [str(a) for a in argv]
+    return list(st.session_state[RUNS_KEY])
+
+
+def runs() -> list[str]:
+    """The run paths given to the dashboard (possibly empty)."""
+    return list(st.session_state.get(RUNS_KEY, []))
+
+
+def open_path(path: str) -> Selected | None:
+    """Load `path`; on failure show one error line and return None."""
+    try:
+        version = data.run_version(path)
+        return Selected(path, version, data.load_run(path, version))
+    except FileNotFoundError:
+        st.error(f"{path}: no such run directory or file")
+    except InputError as exc:
+        st.error(str(exc))
+    return None
+
+
+def selected_run() -> Selected | None:
+    """The run chosen in the sidebar (the only one when one was given), loaded.
+
+    Shows the run's missing-data notes under the page; returns None (after saying why) when
+    no run was given or it cannot be read.
+    """
+    paths = runs()
+    if not paths:
+        st.error("No run given. Start the dashboard with `kvscope dashboard RUN [RUN ...]`.")
+        return None
+    path = paths[0]
+    if len(paths) > 1:
+        path = st.sidebar.selectbox("Run", paths, key=SELECTED_KEY)
+    sel = open_path(path)
+    if sel is not None:
+        st.caption(f"{sel.run.label} · {sel.run.source} · {len(sel.run.requests):,} requests")
+    return sel
+
+
+def show_notes(run: data.RunData) -> None:
+    """What the run lacks or could not tell, in an expander (nothing when complete)."""
+    if run.notes:
+        with st.expander(f"What this run is missing ({len(run.notes)})", expanded=False):
+            for note in run.notes:
+                st.markdown(f"- {note}")
+
+
+def missing(what: str, run: data.RunData) -> None:
+    """Say that `what` is absent from this run, and why that may be."""
+    why = ("imported traces carry no such table" if not run.is_store
+           else "nothing was recorded for it in this run")
+    st.info(f"No {what} in this run ({why}).")

@@ -1,0 +1,98 @@
+"""Overview: TTFT percentiles over time, the stacked stage breakdown, the top findings."""
+
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from agent.schema import TTFT_STAGES
+from analyzers.units import fmt_ns
+from dashboard import data, figures
+from dashboard.views import common
+
+_GROUPINGS = {"hit class": "hit_class", "tenant": "tenant", "workload class": "workload_class"}
+_SEVERITY_BOX = {"critical": st.error, "warning": st.warning, "info": st.info}
+
+
+def _means(stages: pd.DataFrame) -> dict[str, float]:
+    return dict(zip(stages["stage"], stages["mean_ns"], strict=True))
+
+
+def _time_share(num_ns: int, den_ns: int | None) -> str:
+    """``12.3 s / 45.6 s TTFT (27.0 %)``: shares print their numerator and denominator."""
+    if not den_ns:
+        return f"{fmt_ns(num_ns)} / - TTFT"
+    return f"{fmt_ns(num_ns)} / {fmt_ns(den_ns)} TTFT ({100 * num_ns / den_ns:.1f} %)"
+
+
+def _findings(sel: common.Selected) -> None:
+    st.subheader("Top findings")
+    report, why = data.diagnoses(sel.path, sel.version)
+    if report is None:
+        st.info(why)
+        return
+    if not report.findings:
+        st.success(f"No findings ({len(report.passed)} rules evaluated clean).")
+    for f in report.findings[:5]:
+        body = "\n".join(f"- {e}" for e in f.evidence)
+        _SEVERITY_BOX[f.severity](f"**{f.severity.upper()}: {f.title}** (`{f.rule}`)\n\n{body}"
+                                  f"\n\n**Next step:** {f.next_step}")
+    if len(report.findings) > 5:
+        st.caption(f"{len(report.findings) - 5} more finding(s): `kvscope analyze`")
+    if report.not_evaluated:
+        with st.expander(f"Rules not evaluated ({len(report.not_evaluated)})"):
+            for n in report.not_evaluated:
+                st.markdown(f"- `{n.rule}`: {n.reason}")
+
+
+def main() -> None:
+    st.title("Overview")
+    sel = common.selected_run()
+    if sel is None:
+        return
+    run = sel.run
+    common.show_notes(run)
+    if not len(run.requests):
+        st.warning("This run has no requests: there is no TTFT to break down.")
+        if run.distributions is not None and len(run.distributions):
+            st.subheader("Distributions in the imported metrics")
+            st.dataframe(run.distributions, hide_index=True)
+        return
+    summary = data.ttft_summary(sel.path, sel.version)
+    ttft = summary.stage("ttft")
+    cols = st.columns(5)
+    cols[0].metric("Requests with a first token", f"{summary.requests:,}")
+    cols[1].metric("Without a first token", f"{summary.without_first_token:,}")
+    cols[2].metric("TTFT p50", fmt_ns(ttft.get("p50_ns")))
+    cols[3].metric("TTFT p99", fmt_ns(ttft.get("p99_ns")))
+    cols[4].metric("Stage violations", f"{summary.violations:,}")
+    if summary.derived:
+        st.info(f"{summary.derived:,} / {summary.requests:,} requests have stages derived from "
+                "overlapping activity spans (sweep line), not recorded state spans.")
+    if not summary.requests:
+        st.warning("No request produced a first token: no TTFT to show.")
+    else:
+        st.plotly_chart(figures.ttft_over_time(summary.windows), key="ttft_over_time")
+        group = st.radio("Break the stages down by", list(_GROUPINGS), horizontal=True,
+                         key="overview_group")
+        grouped = data.ttft_summary(sel.path, sel.version, by=_GROUPINGS[group])
+        by_col = _GROUPINGS[group]
+        bars = {"all": _means(summary.stages)}
+        slow = summary.slowest
+        bars["slowest 1 % (≥ p99)"] = dict(zip(slow["stage"], slow["mean_ns"], strict=True))
+        for key, rows in grouped.stages.groupby(by_col, sort=True):
+            bars[f"{group}: {key}"] = _means(rows)
+        st.plotly_chart(figures.stage_breakdown(bars), key="stage_breakdown")
+        table = summary.stages.loc[summary.stages["stage"].isin([*TTFT_STAGES, "ttft",
+                                                                 "hidden_load"])]
+        st.dataframe(pd.DataFrame({
+            "stage": table["stage"],
+            "p50": table["p50_ns"].map(fmt_ns), "p90": table["p90_ns"].map(fmt_ns),
+            "p99": table["p99_ns"].map(fmt_ns), "mean": table["mean_ns"].map(fmt_ns),
+            "time / all requests' TTFT": [_time_share(t, ttft.get("total_ns"))
+                                           for t in table["total_ns"]],
+        }), hide_index=True, key="stage_table")
+    _findings(sel)
+
+
+main()

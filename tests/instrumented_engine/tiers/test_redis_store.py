@@ -1,0 +1,97 @@
+from __future__ import annotations
+
+import struct
+
+import torch
+import xxhash
+
+from agent.telemetry import Recorder
+from instrumented_engine.tiers import format as fmt
+from instrumented_engine.tiers.breaker import BreakerConfig
+from instrumented_engine.tiers.format import BlockLayout
+from instrumented_engine.tiers.redis_store import RedisStore, key
+from instrumented_engine.tiers.remote import open_remote
+from instrumented_engine.tiers.resilient import ResilienceConfig, ResilientRemote
+from tests.instrumented_engine.tiers.conftest import NS, RedisServer, chain, payload
+
+
+def _dests(layout: BlockLayout, n: int) -> list[torch.Tensor]:
+    return [torch.zeros(layout.payload_shape, dtype=layout.dtype) for _ in range(n)]
+
+
+def test_round_trip_bit_exact(layout: BlockLayout, redis_server: RedisServer) -> None:
+    store = open_remote(redis_server.url)
+    assert isinstance(store, RedisStore)
+    remote = ResilientRemote(store, layout)
+    hs = chain(70)  # more than one lookup batch and several MGET chunks
+    for i, h in enumerate(hs[:66]):
+        assert remote.write(h, NS, payload(layout, i)) is None
+    raw = redis_server.client().get(key(hs[0]))
+    assert key(hs[0]) == b"kvscope:kv:" + hs[0].hex().encode()
+    assert raw == fmt.encode(layout, NS, payload(layout, 0))
+    assert remote.lookup(hs, 0) == 66 and remote.lookup(hs, 65) == 1
+    assert remote.lookup(hs, 66) == 0 and remote.lookup(hs, 70) == 0
+    dests = _dests(layout, 70)
+    res = remote.read_into(hs, NS, dests)
+    assert res.statuses == [None] * 66 + ["evicted"] * 4
+    assert res.nbytes == 66 * layout.object_bytes
+    for i in range(66):
+        assert torch.equal(dests[i].view(torch.uint8), payload(layout, i).view(torch.uint8))
+    assert remote.stats.get("bytes_written") == 66 * layout.object_bytes
+    remote.close()
+
+
+def test_corruption_in_redis_is_detected(layout: BlockLayout, redis_server: RedisServer) -> None:
+    remote = ResilientRemote(open_remote(redis_server.url), layout)
+    hs = chain(5)
+    for i, h in enumerate(hs):
+        remote.write(h, NS, payload(layout, i))
+    r = redis_server.client()
+    byte = r.getrange(key(hs[1]), 500, 500)
+    r.setrange(key(hs[1]), 500, bytes([byte[0] ^ 0x04]))  # flip a payload byte in place
+    r.set(key(hs[2]), r.get(key(hs[2]))[:-100])  # truncated
+    r.set(key(hs[3]), fmt.encode(layout, bytes(32), payload(layout, 3)))  # wrong namespace
+    v = bytearray(r.get(key(hs[4])))  # a future format version, header re-checksummed
+    struct.pack_into("<H", v, 8, fmt.FORMAT_VERSION + 1)
+    struct.pack_into("<Q", v, fmt.HEADER_SIZE - 8, xxhash.xxh3_64_intdigest(bytes(v[:120])))
+    r.set(key(hs[4]), bytes(v))
+    dests = _dests(layout, 5)
+    res = remote.read_into(hs, NS, dests)
+    assert res.statuses == [None, "checksum", "checksum", "checksum", "checksum"]
+    assert {k: v for k, v in remote.stats.counters.items() if k.startswith("corrupt_")} == {
+        "corrupt_checksum": 1, "corrupt_truncated": 1, "corrupt_namespace": 1,
+        "corrupt_version": 1}
+    assert not any(d.view(torch.uint8).any() for d in dests[1:])
+    remote.close()
+
+
+def test_server_killed_mid_sequence(layout: BlockLayout, redis_server: RedisServer) -> None:
+    now = [0]
+    rec = Recorder(nvtx=False)
+    remote = ResilientRemote(
+        open_remote(redis_server.url, timeout_s=0.5), layout,
+        ResilienceConfig(timeout_s=2.0, retries=1, breaker=BreakerConfig(3, cooldown_s=5.0)),
+        recorder=rec, model="m", clock=lambda: now[0])
+    hs = chain(8)
+    outcomes: list[object] = []
+    for i, h in enumerate(hs):
+        if i == 4:
+            redis_server.kill()
+        outcomes.append(remote.write(h, NS, payload(layout, i)))
+    assert outcomes == [None] * 4 + ["error"] * 3 + ["circuit_open"]
+    assert remote.breaker.state == "open"
+    assert remote.stats.failures == {"error": 6, "circuit_open": 1}  # 3 ops x (1 + 1 retry)
+    assert remote.lookup(hs, 0) == 0
+    assert remote.read_into(hs, NS, _dests(layout, 8)).failed_by_reason() == {"circuit_open": 8}
+    now[0] += 5_000_000_000  # cool-down over: one probe, still down
+    assert remote.lookup(hs, 0) == 0
+    assert remote.breaker.state == "open" and remote.stats.get("lookup_failed_error") == 1
+    # The server comes back (empty: no persistence) on the same port; the next probe closes.
+    redis_server.restart()
+    now[0] += 5_000_000_000
+    assert remote.lookup(hs, 0) == 0 and remote.breaker.state == "closed"
+    assert remote.write(hs[0], NS, payload(layout, 0)) is None and remote.lookup(hs, 0) == 1
+    names = [e["name"] for e in rec.drain()["events"].to_pylist()]
+    assert names == ["circuit_open", "circuit_close"]
+    assert rec.gauges[("kvscope_remote_breaker_open", ("m",))] == 0.0
+    remote.close()
