@@ -3,16 +3,14 @@ markdown or JSON. Rendering is kept apart from the analysis (which lives in `ttf
 `accounting`); nothing here computes a figure of its own.
 
 The report leads with the TTFT breakdown, then the token accounting with its denominators, the
-prefill rate and time saved, the per-layer table and the checks. Diagnoses append *findings*:
-`build_report(..., findings=[...])` takes any objects with ``title`` (and optionally
-``severity``, ``evidence``, ``next_step``) and a ``to_dict()``; plain strings work too. They
-are printed in their own section after the checks and carried in the JSON under ``findings``.
+prefill rate and time saved, the per-layer table and the checks; the diagnoses
+(`analyzers.diagnose`) follow: findings with their evidence and next step, and the rules the run
+lacked the data for. JSON carries them under ``findings`` and ``diagnoses``.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +26,7 @@ from analyzers.accounting import (
     prefill_seconds_saved,
     token_accounting,
 )
+from analyzers.diagnose import DiagnoseReport, diagnose_report, render_markdown, render_text
 from analyzers.render import Table, md_table, text_table
 from analyzers.ttft import partition, summarize, violations
 from analyzers.ttft_summary import TTFTSummary, records
@@ -50,16 +49,20 @@ class Report:
     layers: pd.DataFrame
     prefill: PrefillRate
     saved: SecondsSaved
-    findings: list[Any] | None = None
+    diagnoses: DiagnoseReport | None = None
+    #: False when the source carries no token accounting (an imported trace): the accounting
+    #: sections then say so instead of printing zeros.
+    accounting_known: bool = True
 
 
-def build_report(store: Any, *, findings: Sequence[Any] | None = None,
-                 by: str | None = None, window_ns: int | None = None) -> Report:
-    """Run the analyzers over a run store.
+def build_report(store: Any, *, diagnose: bool = True, by: str | None = None,
+                 window_ns: int | None = None) -> Report:
+    """Run the analyzers (and, unless `diagnose` is False, the diagnoses) over a run.
 
     Args:
-        store: an `agent.runstore.RunStore`.
-        findings: diagnoses to append (see the module docstring); None leaves the section out.
+        store: an `agent.runstore.RunStore`, or anything with the same `requests`, `spans`,
+            `layers`, `samples`, `events` frames and `meta`, `gaps`, `path`.
+        diagnose: run `analyzers.diagnose` and append its findings.
         by: optional grouping of the TTFT table (tenant, workload_class, hit_class).
         window_ns: window length for percentiles over time.
 
@@ -70,6 +73,10 @@ def build_report(store: Any, *, findings: Sequence[Any] | None = None,
     part = partition(req, spans)
     rate = prefill_rate(req, spans, part)
     meta = store.meta
+    diag = None
+    if diagnose:
+        diag = diagnose_report(req, spans, layers=store.layers, samples=store.samples,
+                               events=store.events, run_config=meta.get("config"), part=part)
     run = {
         "path": str(store.path),
         "run_id": meta.get("run_id"),
@@ -87,8 +94,14 @@ def build_report(store: Any, *, findings: Sequence[Any] | None = None,
         layers=layer_table(store.layers),
         prefill=rate,
         saved=prefill_seconds_saved(req, rate, part),
-        findings=None if findings is None else list(findings),
+        diagnoses=diag,
+        accounting_known=_accounting_known(req),
     )
+
+
+def _accounting_known(req: pd.DataFrame) -> bool:
+    cols = ["device_hit_tokens", "recomputed_tokens"]
+    return not len(req) or not all(c in req and bool(req[c].isna().all()) for c in cols)
 
 
 def _model_name(config: dict[str, Any]) -> str | None:
@@ -116,7 +129,9 @@ def render_json(report: Report) -> str:
     gaps}, "ttft": TTFTSummary.to_dict(), "partition_violations": [{request_id, violation,
     ttft_ns, derived}], "accounting": TokenAccounting.to_dict(), "layers": [row],
     "prefill": {"rate": PrefillRate.to_dict(), "saved": SecondsSaved.to_dict()},
-    "findings": [finding] | null}``. Times are integer or float ns; NaN is null.
+    "findings": [Finding.to_dict()] | null, "diagnoses": DiagnoseReport.to_dict() | null}``
+    (``diagnoses`` adds the rules not evaluated, with why, and the rules that passed). Times are
+    integer or float ns; NaN is null.
     """
     doc = {
         "kvscope_report": REPORT_VERSION,
@@ -126,8 +141,9 @@ def render_json(report: Report) -> str:
         "accounting": report.accounting.to_dict(),
         "layers": records(report.layers),
         "prefill": {"rate": report.prefill.to_dict(), "saved": report.saved.to_dict()},
-        "findings": None if report.findings is None else [_finding_dict(f)
-                                                          for f in report.findings],
+        "findings": None if report.diagnoses is None else [f.to_dict() for f in
+                                                           report.diagnoses.findings],
+        "diagnoses": None if report.diagnoses is None else report.diagnoses.to_dict(),
     }
     return json.dumps(_clean(doc), indent=2, allow_nan=False) + "\n"
 
@@ -140,26 +156,6 @@ def _clean(v: Any) -> Any:
     if isinstance(v, list | tuple):
         return [_clean(x) for x in v]
     return v
-
-
-def _finding_dict(f: Any) -> Any:
-    if not isinstance(f, str) and hasattr(f, "to_dict"):
-        return f.to_dict()
-    return {"title": str(f)}
-
-
-def _finding_lines(f: Any) -> list[str]:
-    if isinstance(f, str) or not isinstance(getattr(f, "title", None), str):
-        return [f"- {f}"]
-    sev = getattr(f, "severity", None)
-    lines = [f"- {f'[{sev}] ' if sev else ''}{f.title}"]
-    ev = getattr(f, "evidence", None)
-    for e in ([ev] if isinstance(ev, str) else list(ev or [])):
-        lines.append(f"  evidence: {e}")
-    nxt = getattr(f, "next_step", None)
-    if nxt:
-        lines.append(f"  next: {nxt}")
-    return lines
 
 
 def render_doc(report: Report, *, markdown: bool = False) -> str:
@@ -201,6 +197,47 @@ def render_doc(report: Report, *, markdown: bool = False) -> str:
         head(f"TTFT over time ({fmt_ns(s.window_ns)} windows by arrival)")
         table(_window_rows(s))
 
+    if not report.accounting_known:
+        head("Token accounting")
+        out.append("not in this source: it does not say where prompt tokens' KV came from "
+                   "(device hit, host or remote load, recompute)")
+    else:
+        _accounting_section(report, out, head, table, markdown)
+
+    head("Checks")
+    v = report.violations
+    if len(v):
+        listed = ", ".join(f"{x.request_id} ({x.violation})" for x in v.head(_MAX_LISTED)
+                           .itertuples())
+        more = f" and {len(v) - _MAX_LISTED} more" if len(v) > _MAX_LISTED else ""
+        out.append(f"partition: {len(v):,} request(s) broke the partition rules and were "
+                   f"resolved by the sweep line: {listed}{more}")
+    else:
+        out.append(f"partition: stages sum exactly to TTFT for all {s.requests:,} requests")
+    iv = a.identity_violations
+    if not report.accounting_known:
+        out.append("accounting: not checked (no accounting in this source)")
+    elif len(iv):
+        listed = ", ".join(f"{x.request_id} ({x.check}: expected {x.expected}, got {x.actual})"
+                           for x in iv.head(_MAX_LISTED).itertuples())
+        out.append(f"accounting: {len(iv):,} violation(s): {listed}")
+    else:
+        out.append("accounting: prompt = device_hit + host_loaded + remote_loaded + "
+                   f"recomputed holds for all {a.requests:,} requests")
+
+    if report.diagnoses is not None:
+        if markdown:
+            out.extend(["", render_markdown(report.diagnoses).rstrip("\n")])
+        else:  # same section style as the rest; render_text's first line is its own title
+            head("Diagnoses")
+            out.extend(render_text(report.diagnoses).splitlines()[1:])
+    return "\n".join(out) + "\n"
+
+
+def _accounting_section(report: Report, out: list[str], head: Any, table: Any,
+                        markdown: bool) -> None:
+    """Token accounting, prefill rate and time saved, and the per-layer table."""
+    a = report.accounting
     head(f"Token accounting ({a.requests:,} requests with a first token)")
     for level, title in (("token", "tokens"), ("request", "requests"), ("byte", "bytes")):
         rows = [x for x in a.ratios if x.level == level]
@@ -232,33 +269,6 @@ def render_doc(report: Report, *, markdown: bool = False) -> str:
                     [[str(x.layer), f"{x.requests:,}", fmt_pct(x.hit_share),
                       fmt_pct(x.loaded_share), fmt_pct(x.recomputed_share), fmt_ns(x.load_ns),
                       fmt_ns(x.wait_ns)] for x in report.layers.itertuples()]))
-
-    head("Checks")
-    v = report.violations
-    if len(v):
-        listed = ", ".join(f"{x.request_id} ({x.violation})" for x in v.head(_MAX_LISTED)
-                           .itertuples())
-        more = f" and {len(v) - _MAX_LISTED} more" if len(v) > _MAX_LISTED else ""
-        out.append(f"partition: {len(v):,} request(s) broke the partition rules and were "
-                   f"resolved by the sweep line: {listed}{more}")
-    else:
-        out.append(f"partition: stages sum exactly to TTFT for all {s.requests:,} requests")
-    iv = a.identity_violations
-    if len(iv):
-        listed = ", ".join(f"{x.request_id} ({x.check}: expected {x.expected}, got {x.actual})"
-                           for x in iv.head(_MAX_LISTED).itertuples())
-        out.append(f"accounting: {len(iv):,} violation(s): {listed}")
-    else:
-        out.append("accounting: prompt = device_hit + host_loaded + remote_loaded + "
-                   f"recomputed holds for all {a.requests:,} requests")
-
-    if report.findings is not None:
-        head("Findings")
-        if not report.findings:
-            out.append("none")
-        for f in report.findings:
-            out.extend(_finding_lines(f))
-    return "\n".join(out) + "\n"
 
 
 def _stage_rows(s: TTFTSummary) -> Table:
@@ -358,3 +368,67 @@ def _ratio_text(row: Any, side: str) -> str:
     if row.delta_unit == "pts":
         return f"{num:,} / {den:,} ({fmt_pct(val)})"
     return f"{num:,} / {den:,} ({'-' if val is None else f'{val:,.1f}'})"
+
+
+def render_import(imp: Any, report: Report | None, fmt: str) -> str:
+    """`kvscope analyze FILE`: what an importer could and could not derive, the source's own
+    ratios (with *their* denominators) and latency distributions, then — when the source has
+    per-request rows — the usual report over them.
+
+    Args:
+        imp: an `analyzers.importers.ImportedRun`.
+        report: `build_report(imp.as_store())`, or None for aggregate-only sources.
+        fmt: text, markdown or json (JSON: the report's layout plus an ``import`` key).
+    """
+    if fmt == "json":
+        doc = json.loads(render_json(report)) if report is not None else {
+            "kvscope_report": REPORT_VERSION}
+        doc["import"] = _clean(imp.to_dict())
+        return json.dumps(doc, indent=2, allow_nan=False, default=str) + "\n"
+    markdown = fmt == "markdown"
+    out: list[str] = []
+
+    def head(title: str) -> None:
+        out.extend(["", f"## {title}", ""] if markdown else ["", title, "-" * len(title)])
+
+    title = f"kvscope analyze: {imp.path} (imported: {imp.source})"
+    out.append(f"# {title}" if markdown else title)
+    out.append(f"{len(imp.requests):,} requests, {len(imp.spans):,} spans; partition "
+               f"{'derived' if imp.partition_derived else 'as recorded'}")
+    for label, notes in (("derived", imp.derived), ("can", imp.can),
+                         ("cannot", imp.cannot)):
+        for n in notes:
+            out.append(f"- {label}: {n}")
+    if imp.ratios:
+        head("Ratios as the source defines them")
+        rows = []
+        for r in imp.ratios:
+            num, den = r.get("numerator"), r.get("denominator")
+            if num is not None and den:
+                val = f"{num:,.0f} / {den:,.0f} {r.get('denominator_unit') or ''} " \
+                      f"({100 * num / den:.1f} %)"
+            else:
+                val = f"{r.get('value')} (denominator unknown)"
+            rows.append([str(r.get("name")), val, str(r.get("note") or "")])
+        t = Table(["ratio", "value", "note"], rows, align="lll")
+        out.extend(md_table(t) if markdown else text_table(t, indent=2))
+    dist = imp.distributions
+    if dist is not None and len(dist):
+        head("Latency distributions (from histogram buckets)")
+        rows = [[str(d.metric), str(d.stage or "-"), _num(d.count), _sec(d.p50), _sec(d.p90),
+                 _sec(d.p99), str(d.note or "")] for d in dist.itertuples()]
+        t = Table(["metric", "stage", "count", "p50", "p90", "p99", "note"], rows,
+                  align="llrrrrl")
+        out.extend(md_table(t) if markdown else text_table(t, indent=2))
+    text = "\n".join(out) + "\n"
+    if report is not None:
+        text += "\n" + render(report, fmt)
+    return text
+
+
+def _num(v: Any) -> str:
+    return "-" if v is None or pd.isna(v) else f"{v:,.0f}"
+
+
+def _sec(v: Any) -> str:
+    return "-" if v is None or pd.isna(v) else fmt_ns(float(v) * 1e9)

@@ -14,7 +14,10 @@ GROUPS = ("tenant", "workload_class", "hit_class")
 
 
 def analyze(
-    run: Path = typer.Argument(..., help="A kvscope run directory (holds run.json)."),
+    run: Path = typer.Argument(..., help="A kvscope run directory (holds run.json), or a file "
+                               "to import: vLLM/SGLang /metrics text, vLLM OTLP JSON, a "
+                               "PyTorch profiler trace (.json/.json.gz) or an Nsight Systems "
+                               "SQLite export (picked by content)."),
     fmt: str = typer.Option("text", "--format", "-f", help="Output: text, markdown or json."),
     by: str | None = typer.Option(None, "--by",
                                   help="Split the TTFT table by tenant, workload_class or "
@@ -39,16 +42,21 @@ def analyze(
         raise InputError(f"--by {by}: expected one of {', '.join(GROUPS)}")
 
     from agent.runstore import open_run
-    from analyzers.report import build_report, render
+    from analyzers.report import build_report, render, render_import
 
-    store = open_run(run)
-    if not len(store.requests):
-        raise InputError(f"{run / 'requests'}: no requests recorded (nothing to analyze)")
-    # NOTE: diagnoses (analyzers.diagnose) plug in here as `findings=[...]`; None leaves the
-    # report's Findings section out.
-    report = build_report(store, findings=None, by=by,
-                          window_ns=None if window_s is None else max(int(window_s * 1e9), 1))
-    text = render(report, fmt)
+    window_ns = None if window_s is None else max(int(window_s * 1e9), 1)
+    if run.is_file():
+        from analyzers.importers import load
+
+        imp = load(run)
+        report = (build_report(imp.as_store(), by=by, window_ns=window_ns)
+                  if len(imp.requests) else None)
+        text = render_import(imp, report, fmt)
+    else:
+        store = open_run(run)
+        if not len(store.requests):
+            raise InputError(f"{run / 'requests'}: no requests recorded (nothing to analyze)")
+        text = render(build_report(store, by=by, window_ns=window_ns), fmt)
     if output is None:
         typer.echo(text, nl=False)
     else:

@@ -13,6 +13,7 @@ import gzip
 import json
 import zlib
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -80,6 +81,21 @@ class ImportedRun:
         """A run with empty requests and spans frames (importers fill them in)."""
         return cls(source=source, path=path, requests=_empty("requests").copy(),
                    spans=_empty("spans").copy())
+
+    def as_store(self) -> SimpleNamespace:
+        """The import shaped like an `agent.runstore.RunStore` (requests, spans, empty layers,
+        samples and events, `meta`, `gaps`, `path`), so run-store analyses accept it."""
+        from agent.runstore.reader import to_pandas
+        from agent.schema import TABLES
+
+        def empty(name: str) -> pd.DataFrame:
+            return to_pandas(TABLES[name].empty_table(), TABLES[name])
+
+        meta = {"run_id": None, "status": f"imported from {self.source}",
+                "config": {}, "source": self.source}
+        return SimpleNamespace(requests=self.requests, spans=self.spans, layers=empty("layers"),
+                               samples=empty("samples"), events=empty("events"), meta=meta,
+                               gaps=[], path=self.path)
 
     def to_dict(self) -> dict[str, Any]:
         """What `kvscope analyze --json` can print: everything but the per-row frames.

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Any
 
 import pytest
 
@@ -47,41 +45,32 @@ def test_json_report_layout(report: Report) -> None:
     doc = json.loads(render(report, "json"))
     assert doc["kvscope_report"] == REPORT_VERSION
     assert list(doc) == ["kvscope_report", "run", "ttft", "partition_violations", "accounting",
-                         "layers", "prefill", "findings"]
+                         "layers", "prefill", "findings", "diagnoses"]
     assert doc["run"]["run_id"] == "golden" and doc["run"]["requests"] == 10
     ttft = {r["stage"]: r for r in doc["ttft"]["stages"]}
     assert ttft["ttft"]["p99_ns"] == 44_334_400.0 and ttft["queue"]["total_ns"] == 25_325_000
     hit = next(r for r in doc["accounting"]["ratios"] if r["key"] == "token_hit_share")
     assert (hit["numerator"], hit["denominator"], hit["unit"]) == (4352, 12032, "lookup tokens")
     assert doc["prefill"]["rate"]["recomputed_tokens"] == 6208
-    assert doc["findings"] is None and doc["partition_violations"] == []
+    assert [f["rule"] for f in doc["findings"]] == ["recompute_storm", "promised_hits_evicted"]
+    assert doc["partition_violations"] == []
 
 
-@dataclass
-class _Finding:
-    severity: str
-    title: str
-    evidence: list[str]
-    next_step: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"severity": self.severity, "title": self.title}
-
-
-def test_findings_are_appended_after_the_checks() -> None:
-    f = _Finding("warning", "remote reads slower than recompute",
-                 ["3 / 9 requests (33.3 %)"], "try --prefetch")
-    rep = build_report(open_run(GOLDEN_RUN), findings=[f, "plain note"])
+def test_diagnoses_follow_the_checks() -> None:
+    rep = build_report(open_run(GOLDEN_RUN))
+    assert rep.diagnoses is not None
     text = render(rep, "text")
-    assert text.index("Checks") < text.index("Findings")
-    assert "- [warning] remote reads slower than recompute\n  evidence: 3 / 9 requests " \
-           "(33.3 %)\n  next: try --prefetch\n- plain note\n" in text
+    assert text.index("Checks") < text.index("Diagnoses\n---------")
+    for f in rep.diagnoses.findings:
+        assert f"{f.title}  ({f.rule})" in text and f"next: {f.next_step}" in text
     doc = json.loads(render(rep, "json"))
-    assert doc["findings"] == [{"severity": "warning",
-                                "title": "remote reads slower than recompute"},
-                               {"title": "plain note"}]
-    assert render(build_report(open_run(GOLDEN_RUN), findings=[]), "text").endswith(
-        "Findings\n--------\nnone\n")
+    assert [f["rule"] for f in doc["findings"]] == [f.rule for f in rep.diagnoses.findings]
+    assert {n["rule"] for n in doc["diagnoses"]["not_evaluated"]} == {
+        n.rule for n in rep.diagnoses.not_evaluated}
+    assert "## Diagnoses" in render(rep, "markdown")
+    bare = build_report(open_run(GOLDEN_RUN), diagnose=False)
+    assert "Diagnoses" not in render(bare, "text") and json.loads(render(bare, "json"))[
+        "findings"] is None
 
 
 def test_grouped_report(report: Report) -> None:
