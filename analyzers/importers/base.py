@@ -13,8 +13,8 @@ import gzip
 import json
 import zlib
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
