@@ -29,6 +29,8 @@ from instrumented_engine.model.llama import LlamaModel, build_model
 from instrumented_engine.model_runner import TORCH_DTYPES, ModelRunner
 from instrumented_engine.scheduler import Scheduler
 from instrumented_engine.telemetry import EngineTelemetry
+from instrumented_engine.tier_flow import TierConfig, TierFlow
+from instrumented_engine.tiers import RemoteStore
 
 
 @dataclass(slots=True)
@@ -51,12 +53,16 @@ class LLMEngine:
         model: a prebuilt model (e.g. a loaded checkpoint, or one shared by benchmark runs);
             default: random weights from `config.model.seed`.
         recorder: where telemetry goes; None turns telemetry off.
-        tiers: KV tiers beyond the device pool, consulted at arrival lookup (host, remote).
+        tiers: extra KV tiers consulted at arrival lookup only (tests of the lookup seam).
+        tier_config: the host and remote tiers, wired into the whole request flow
+            (instrumented_engine.tier_flow); None or inactive: the device pool only.
+        remote_store: a raw remote store used instead of opening `tier_config.remote`.
         clock: the monotonic clock in ns (the recorder's, so all times share one clock).
     """
 
     def __init__(self, config: EngineConfig, *, model: LlamaModel | None = None,
                  recorder: Recorder | None = None, tiers: Sequence[KVTier] = (),
+                 tier_config: TierConfig | None = None, remote_store: RemoteStore | None = None,
                  clock: Callable[[], int] = now_ns) -> None:
         self.config = config
         mc = config.model
@@ -68,10 +74,15 @@ class LLMEngine:
         self.pool = BlockPool(config.cache.num_blocks,
                               enable_caching=config.cache.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, config.cache.block_size)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(model, config)
-        self.tiers = tuple(tiers)
         self.clock = recorder.now if recorder is not None else clock
+        self.flow: TierFlow | None = None
+        if tier_config is not None and tier_config.active:
+            self.flow = TierFlow(tier_config, self.runner.kv_caches, recorder=recorder,
+                                 model=mc.model_id, clock=self.clock, store=remote_store)
+            self.pool.on_evict = self.flow.on_evict
+        self.scheduler = Scheduler(config.scheduler, self.kv, loader=self.flow)
+        self.tiers = tuple(tiers) + (self.flow.lookup_tiers if self.flow else ())
         self.recorder = recorder
         self.tel = None if recorder is None else EngineTelemetry(
             recorder, model=self.model_name, num_layers=mc.num_layers, device=config.device)
@@ -172,6 +183,8 @@ class LLMEngine:
         while inbox:
             req, promised = inbox.popleft()
             req.request_num = tel.arrival(req, promised) if tel else next(self._nums)
+            if self.flow is not None:
+                self.flow.arrival(req, promised)
             self.scheduler.add(req)
 
     def wake(self) -> None:
@@ -220,9 +233,12 @@ class LLMEngine:
         if tel:
             tel.phase("prepare", step_id)
         inp = self.runner.prepare(reqs, num_new)
-        t2 = clock()
         if tel:
             tel.phase_end()
+        if self.flow is not None:
+            self.flow.before_forward(reqs)
+        t2 = clock()
+        if tel:
             tel.phase("forward", step_id)
             mark = tel.begin_forward()
         logits = self.runner.forward(inp)
@@ -235,12 +251,16 @@ class LLMEngine:
         t4 = clock()
         if tel:
             tel.phase_end()
+        if self.flow is not None:
+            self.flow.after_step(reqs, num_new)
         outputs = self._update(reqs, num_new, inp.sampling, sampled, t4)
         evicted = self.pool.take_evictions()
         self.stats.evicted_blocks += evicted
         if tel:
             tel.step_done(step_id, t0, t1, t2, t3, t4, batch, tokens)
             tel.pool(self.pool, len(sched_.running), len(sched_.waiting), evicted, t4)
+            if self.flow is not None:
+                self.flow.record_pools(t4)
         return outputs
 
     def _update(self, reqs: list[Request], num_new: list[int], sampling: list[Request],
@@ -262,12 +282,14 @@ class LLMEngine:
                 # NOTE: identity at the first token; device_hit and recomputed are final now.
                 assert req.acct.identity_holds(), req
                 if tel:
-                    tel.first_token(req, t)
+                    tel.first_token(req, t, self.flow.layer_times if self.flow else None)
             if req.finished:
                 outputs.append(self._finish(req, t))
         return outputs
 
     def _finish(self, req: Request, t: int) -> RequestOutput:
+        if self.flow is not None:
+            self.flow.release(req)
         self.scheduler.finish(req)
         req.finish_ns = t
         req.acct.output_tokens = req.num_output_tokens
@@ -301,6 +323,8 @@ class LLMEngine:
         sched = self.scheduler
         out = []
         for req in [*sched.running, *sched.waiting]:
+            if self.flow is not None:
+                self.flow.release(req)
             if req in sched.running:
                 sched.finish(req)
             req.finish_ns = t
@@ -314,7 +338,15 @@ class LLMEngine:
         sched.waiting.clear()
         return out
 
+    def flush_tiers(self) -> None:
+        """Wait until queued tier writes are stored (e.g. before another engine reads them)."""
+        if self.flow is not None:
+            self.flow.flush()
+
     def close(self) -> None:
-        """Resolve pending device timings into telemetry (call once, at the end)."""
+        """Resolve pending device timings into telemetry, flush and stop the tiers (call
+        once, at the end)."""
+        if self.flow is not None:
+            self.flow.close()
         if self.tel:
             self.tel.close()

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from instrumented_engine.config import SchedulerConfig
 from instrumented_engine.core.kv_cache_manager import KVCacheManager
 from instrumented_engine.core.request import Request, RequestStatus
+from instrumented_engine.core.tiers import TierLoader
 
 
 @dataclass(slots=True)
@@ -46,11 +47,14 @@ class Scheduler:
     """Args:
         cfg: batching limits.
         kv: the KV cache manager (block tables over the device pool).
+        loader: the host/remote tiers' admission half (`TierFlow`), or None.
     """
 
-    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager,
+                 loader: TierLoader | None = None) -> None:
         self.cfg = cfg
         self.kv = kv
+        self.loader = loader
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -93,27 +97,38 @@ class Scheduler:
         return out
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        loader = self.loader
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
             # NOTE: the arrival lookup only promised these hits; they are re-validated here
             # (blocks may have been evicted since, or computed since by a batch-mate).
             hits = self.kv.get_computed_blocks(req)
             num_hit = len(hits) * self.kv.block_size
-            n = req.num_tokens - num_hit
+            # Blocks from the host/remote tiers continue the chain; they are held (acquired)
+            # from here until copied into the device blocks allocated for them below.
+            num_load = (loader.prepare(req, len(hits)) if loader is not None
+                        else 0) * self.kv.block_size
+            n = req.num_tokens - num_hit - num_load
             if n > budget:
                 if not self.cfg.enable_chunked_prefill:
+                    if loader is not None:
+                        loader.cancel(req)
                     return
                 n = budget
-            if not self.kv.allocate_slots(req, n, hits):
+            if not self.kv.allocate_slots(req, num_load + n, hits):
+                if loader is not None:
+                    loader.cancel(req)
                 return
             self.waiting.popleft()
             self.running.append(req)
             req.status = RequestStatus.RUNNING
-            req.num_computed_tokens = num_hit
-            req.admitted_hit_tokens = num_hit
+            req.num_computed_tokens = num_hit + num_load
+            req.admitted_hit_tokens = num_hit + num_load
             if not req.has_first_token:
                 req.acct.device_hit_tokens = num_hit
                 req.acct.recomputed_tokens = 0
+            if loader is not None:
+                loader.admitted(req, len(hits))
             out.requests.append(req)
             out.num_new_tokens.append(n)
             out.admitted.append(req)

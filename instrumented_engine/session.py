@@ -72,6 +72,11 @@ class RunOptions:
     tenants: int = 1
     threads: int = 0
     collectors: bool = True
+    host_blocks: int = 0
+    remote: str | None = None
+    host_write: str = "evict"
+    faults: tuple[str, ...] = ()
+    remote_timeout_ms: float = 500.0
 
 
 @dataclass(slots=True)
@@ -91,6 +96,10 @@ class RunSummary:
     wall_s: float
     out: str
     metrics_url: str | None
+    host_loaded_tokens: int = 0
+    remote_loaded_tokens: int = 0
+    load_failed_tokens: int = 0
+    tiers: bool = False
 
     def lines(self) -> list[str]:
         share = self.reused_tokens / self.lookup_tokens * 100 if self.lookup_tokens else 0.0
@@ -104,12 +113,15 @@ class RunSummary:
             f"recomputed   {self.recomputed_tokens:,} / {self.prompt_tokens:,} prompt tokens "
             f"({rec:.1f} %)",
             f"preemptions  {self.preemptions:,}   evicted blocks {self.evicted_blocks:,}",
+            *([f"tiers        host loaded {self.host_loaded_tokens:,}, remote loaded "
+               f"{self.remote_loaded_tokens:,}, load failed {self.load_failed_tokens:,} "
+               f"prompt tokens"] if self.tiers else []),
             f"run store    {self.out}",
         ]
 
 
 def summarise(outputs: list[RequestOutput], requests: int, result: RunResult, out: Path,
-              metrics_url: str | None) -> RunSummary:
+              metrics_url: str | None, *, tiers: bool = False) -> RunSummary:
     """The summary of a run from its outputs (TTFT percentiles over requests with a first
     token; token shares with their denominators)."""
     ttft = np.array([o.ttft_ns for o in outputs if o.first_token_ns >= 0], dtype=np.float64)
@@ -130,6 +142,10 @@ def summarise(outputs: list[RequestOutput], requests: int, result: RunResult, ou
         wall_s=result.wall_s,
         out=str(out),
         metrics_url=metrics_url,
+        host_loaded_tokens=sum(a.host_loaded_tokens for a in acc),
+        remote_loaded_tokens=sum(a.remote_loaded_tokens for a in acc),
+        load_failed_tokens=sum(a.load_failed_tokens for a in acc),
+        tiers=tiers,
     )
 
 
@@ -153,6 +169,34 @@ def engine_config(opts: RunOptions, model: ModelConfig) -> EngineConfig:
                 msg = option + msg[len(field):]
                 break
         raise InputError(msg) from None
+
+
+def tier_config(opts: RunOptions) -> Any:
+    """The tiers of a run (a `TierConfig`); bad values become `InputError`s naming the option."""
+    from instrumented_engine.tier_flow import HOST_WRITES, TierConfig
+    from instrumented_engine.tiers import ResilienceConfig, parse_faults
+
+    if opts.host_blocks < 0:
+        raise InputError(f"--host-blocks: must be >= 0 (0 = no host tier), got {opts.host_blocks}")
+    if opts.host_write not in HOST_WRITES:
+        raise InputError(f"--host-write: expected one of {', '.join(HOST_WRITES)}, got "
+                         f"{opts.host_write!r}")
+    if not 0 < opts.remote_timeout_ms <= 600_000:
+        raise InputError(f"--remote-timeout-ms: must be in (0, 600000], got "
+                         f"{opts.remote_timeout_ms}")
+    faults = parse_faults(list(opts.faults), seed=opts.seed)
+    if faults.active and opts.remote is None:
+        raise InputError("--fault: remote faults need a remote tier (--remote URL)")
+    if opts.remote is not None:
+        from instrumented_engine.tiers import open_remote
+
+        try:
+            open_remote(opts.remote).close()  # a bad URL fails here, before the model loads
+        except OSError as exc:
+            raise InputError(f"--remote {opts.remote}: {exc.strerror or exc}") from None
+    return TierConfig(host_blocks=opts.host_blocks, remote=opts.remote,
+                      host_write=opts.host_write, faults=faults,
+                      resilience=ResilienceConfig(timeout_s=opts.remote_timeout_ms / 1000))
 
 
 def _check_options(opts: RunOptions) -> None:
@@ -222,6 +266,7 @@ def run_session(opts: RunOptions, *, on_start: Callable[[int, str | None], None]
         InputError: a bad option, workload file or checkpoint (one line, naming it).
     """
     _check_options(opts)
+    tiers = tier_config(opts)
     import torch
 
     from agent.exporters.pipeline import TelemetryPipeline
@@ -248,14 +293,20 @@ def run_session(opts: RunOptions, *, on_start: Callable[[int, str | None], None]
         model_cfg = dataclasses.replace(model_cfg, max_model_len=max(4096, needed))
     cfg = engine_config(opts, model_cfg)
     recorder = Recorder()
-    engine = LLMEngine(cfg, model=model, recorder=recorder)
+    try:
+        engine = LLMEngine(cfg, model=model, recorder=recorder, tier_config=tiers)
+    except OSError as exc:  # e.g. a file:// remote directory that cannot be created
+        raise InputError(f"--remote {opts.remote}: {exc.strerror or exc}") from None
     runner = RealTimeRunner(engine, arrivals, on_finished=on_finished)
 
     config = {
         "engine": dataclasses.asdict(cfg),
         "tiers": {"device": {"block_size": cfg.cache.block_size,
                              "num_blocks": cfg.cache.num_blocks,
-                             "kv_bytes_per_block": engine.runner.kv_bytes_per_block}},
+                             "kv_bytes_per_block": engine.runner.kv_bytes_per_block},
+                  "host": {"num_blocks": tiers.host_blocks, "write": tiers.host_write},
+                  "remote": {"url": tiers.remote, "timeout_ms": opts.remote_timeout_ms,
+                             "faults": list(opts.faults)}},
         "workload": {"name": opts.workload, "num_requests": len(arrivals), "seed": opts.seed,
                      "rate": opts.rate, "tenants": opts.tenants, "scale": opts.scale,
                      "time_scale": opts.time_scale},
@@ -306,7 +357,8 @@ def run_session(opts: RunOptions, *, on_start: Callable[[int, str | None], None]
         if server is not None:
             server.shutdown()
     assert result is not None
-    summary = summarise(result.outputs, len(arrivals), result, opts.out, url)
+    summary = summarise(result.outputs, len(arrivals), result, opts.out, url,
+                        tiers=tiers.active)
     writer.update_meta(summary=dataclasses.asdict(summary),
                        profile=PROFILE_TRACE if opts.profile else None)
     return summary

@@ -11,11 +11,14 @@ State machine of a request (each arrow is one `Recorder.stage` at one instant, s
 
 A request is moved into `prefill` at the start of the step that schedules it (the schedule
 phase is part of its prefill), leaves it at the end of that step's sample phase, and is never in
-two states at once. The tier stages (`remote_read`, `h2d`, `sync`) will be entered inside a step
-through the same `stage` calls.
+two states at once. The tier stages (`remote_read`, `h2d`, `sync`) are entered inside a step by
+instrumented_engine.tier_flow through the same `stage` calls (a request that went through them
+is already in `prefill` when the step-start transition would move it).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from agent.schema import STATE_CODE
 from agent.telemetry import IntervalTimer, Mark, Recorder
@@ -85,7 +88,11 @@ class EngineTelemetry:
             self.rec.stage(req.request_num, QUEUE, t)
             req.state = QUEUE
 
-    def first_token(self, req: Request, t: int) -> None:
+    def first_token(self, req: Request, t: int,
+                    layer_times: Callable[[Request, int], tuple[int, int]] | None = None
+                    ) -> None:
+        """The first token: `decode` from `t`; one layers row per layer (with the per-layer
+        load/wait times of the request's H2D copy when `layer_times` is given)."""
         rec = self.rec
         rn = req.request_num
         rec.first_token(rn, t)
@@ -93,8 +100,9 @@ class EngineTelemetry:
         a = req.acct
         loaded = a.host_loaded_tokens + a.remote_loaded_tokens
         for layer in range(self.num_layers):
+            load_ns, wait_ns = layer_times(req, layer) if layer_times else (0, 0)
             rec.layer(rn, layer, a.device_hit_tokens, loaded, a.recomputed_tokens,
-                      a.prompt_tokens)
+                      a.prompt_tokens, load_ns, wait_ns)
 
     def finished(self, req: Request, t: int, status: str = "ok") -> None:
         self.rec.request_end(req.request_num, req.acct, status=status, t=t)

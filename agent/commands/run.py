@@ -65,6 +65,20 @@ def run(
     collectors: bool = typer.Option(True, "--collectors/--no-collectors",
                                     help="Sample host (and GPU, NIC, RDMA where present) "
                                          "counters into the run store every second."),
+    host_blocks: int = typer.Option(0, "--host-blocks",
+                                    help="Host (CPU) KV tier size in blocks; 0 = none."),
+    remote: str | None = typer.Option(None, "--remote",
+                                      help="Remote KV tier: file://DIR or "
+                                           "redis://HOST:PORT/DB [default: none]."),
+    host_write: str = typer.Option("evict", "--host-write",
+                                   help="How blocks reach the host tier: evict (device "
+                                        "evictions are saved) or through (every new block)."),
+    fault: list[str] = typer.Option([], "--fault",
+                                    help="Inject a remote fault (repeatable): "
+                                         "remote-latency=50ms, remote-error-rate=0.1, "
+                                         "remote-corrupt-rate=0.05, remote-down-after=5s."),
+    remote_timeout_ms: float = typer.Option(500.0, "--remote-timeout-ms",
+                                            help="Deadline of one remote operation."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Run the instrumented paged-KV engine against a workload with real-time arrivals.
@@ -90,7 +104,8 @@ def run(
         max_batched_tokens=max_batched_tokens, prefix_caching=prefix_caching, rate=rate,
         device=device, dtype=dtype, metrics_port=metrics_port, listen_address=listen_address,
         profile=profile, scale=scale, time_scale=time_scale, tenants=tenants, threads=threads,
-        collectors=collectors,
+        collectors=collectors, host_blocks=host_blocks, remote=remote, host_write=host_write,
+        faults=tuple(fault), remote_timeout_ms=remote_timeout_ms,
     )
     err = Console(stderr=True)
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
@@ -98,15 +113,20 @@ def run(
                         console=err, disable=quiet, transient=False)
     task = progress.add_task(opts.workload, total=None)
 
+    started = False
+
     def on_start(n: int, url: str | None) -> None:
+        nonlocal started
         if url and not quiet:
             err.print(f"serving metrics at {url}")
         progress.update(task, total=n)
         progress.start()
+        started = True
 
     try:
         summary = run_session(opts, on_start=on_start,
                               on_finished=lambda _o: progress.advance(task))
     finally:
-        progress.stop()
+        if started:  # stopping a progress that never started prints a stray blank line
+            progress.stop()
     typer.echo("\n".join(summary.lines()))

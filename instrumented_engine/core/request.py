@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -43,17 +44,21 @@ class Request:
     """One request. `token_ids` holds the prompt followed by the outputs so far.
 
     Accounting (DESIGN.md section 2) is kept in `acct` whether or not telemetry is on:
-    `admitted_hit_tokens` is the device hit of the latest admission; before the first token,
-    each admission resets `acct.device_hit_tokens` to it and `acct.recomputed_tokens` to 0, and
+    `admitted_hit_tokens` is what the latest admission did not compute (device hits and
+    blocks loaded from the host/remote tiers); before the first token,
+    each admission resets `acct.device_hit_tokens` (and the loaded tokens) and
+    `acct.recomputed_tokens` to 0, and
     every computed prompt token adds to `recomputed_tokens`, so at the first token
-    `prompt_tokens == device_hit_tokens + recomputed_tokens`.
+    `prompt_tokens == device_hit_tokens + host_loaded_tokens + remote_loaded_tokens +
+    recomputed_tokens`.
     """
 
     __slots__ = (
         "acct", "admitted_hit_tokens", "arrival_ns", "block_hashes", "blocks", "cache_salt",
         "finish_ns", "first_token_ns", "generator", "lookup_done_ns", "max_tokens",
         "namespace", "num_cached_blocks", "num_computed_tokens", "prompt_len", "request_id",
-        "request_num", "sampling", "state", "status", "tenant", "token_ids", "workload_class",
+        "request_num", "sampling", "state", "status", "tenant", "tier", "token_ids",
+        "workload_class",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], max_tokens: int,
@@ -84,6 +89,7 @@ class Request:
         self.first_token_ns = -1
         self.finish_ns = -1
         self.admitted_hit_tokens = 0
+        self.tier: Any = None  # the tier flow's per-request plan (instrumented_engine.tier_flow)
         self.acct = RequestAccounting(prompt_tokens=self.prompt_len)
 
     @property

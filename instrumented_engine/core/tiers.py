@@ -9,8 +9,8 @@ The engine consults tiers at two points, in tier order (host, then remote):
   allocated device blocks; the request's `remote_read`, `h2d` and `sync` stages are entered
   through the same recorder calls as every other stage.
 
-Only the arrival half is wired here (`LLMEngine(tiers=...)` records the promises); the
-admission half (`Scheduler._admit`) is where re-validation and loads go.
+`KVTier` is the arrival half (`LLMEngine(tiers=...)` records the promises); `TierLoader` is the
+admission half that `Scheduler._admit` calls (instrumented_engine.tier_flow.TierFlow).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 from instrumented_engine.core.block_hash import BlockHash
+from instrumented_engine.core.request import Request
 
 
 @runtime_checkable
@@ -33,4 +34,21 @@ class KVTier(Protocol):
 
         Must be safe to call from the arrival thread while the engine loop runs.
         """
+        ...
+
+
+class TierLoader(Protocol):
+    """Loads blocks from the tiers beyond the device at admission (engine loop thread)."""
+
+    def prepare(self, req: Request, num_hit_blocks: int) -> int:
+        """Blocks after the device hits that can be loaded now; held until `admitted` copied
+        them or `cancel` released them."""
+        ...
+
+    def cancel(self, req: Request) -> None:
+        """The request was not admitted after `prepare`."""
+        ...
+
+    def admitted(self, req: Request, num_hit_blocks: int) -> None:
+        """The request was admitted with blocks allocated: load what `prepare` held."""
         ...

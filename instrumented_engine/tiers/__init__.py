@@ -7,7 +7,9 @@ open_remote), `file_store`, `redis_store`, `resilient` (ResilientRemote), `break
 `staging` (remote → host prefetch), `writeback` (WriteBehind), `stats` (plain counters).
 Importing this package does not import redis: `open_remote` loads the backend it needs.
 
-Engine integration (one engine, one layout)::
+The engine uses them through instrumented_engine.tier_flow.TierFlow (`LLMEngine(tier_config=
+TierConfig(...))`, `kvscope run --host-blocks N --remote URL --fault ...`). Its building blocks
+(one engine, one layout)::
 
     layout = BlockLayout.from_kv_caches(runner.kv_caches)
     host = HostKVPool(layout, host_blocks, recorder=rec)              # KVTier "host"

@@ -90,6 +90,13 @@ class HostKVPool:
         self.stats.add("lookup_hit_blocks", n)
         return n
 
+    def state_counts(self) -> tuple[int, int, int]:
+        """(being filled, indexed, free) slot counts; O(1). Indexed slots are hittable (some
+        may be acquired by a copy in flight)."""
+        with self._lock:
+            indexed, free = len(self._index), len(self._free)
+        return self.num_blocks - indexed - free, indexed, free
+
     def lru_order(self) -> list[bytes]:
         """Indexed digests, least recently used first (tests and debugging)."""
         with self._lock:

@@ -220,10 +220,10 @@ class ResilientRemote:
             self.stats.add("late_completions")
 
     def _span(self, name: str, t0: int, t1: int, tokens: int, nbytes: int,
-              transfer_id: int) -> None:
+              transfer_id: int, request_num: int = -1) -> None:
         if self.recorder is not None:
-            self.recorder.activity(name, t0, t1, tier="remote", tokens=tokens, nbytes=nbytes,
-                                   transfer_id=transfer_id)
+            self.recorder.activity(name, t0, t1, request_num=request_num, tier="remote",
+                                   tokens=tokens, nbytes=nbytes, transfer_id=transfer_id)
 
     # ------------------------------------------------------------------ operations
     def lookup(self, block_hashes: Sequence[bytes], start: int = 0) -> int:
@@ -246,7 +246,7 @@ class ResilientRemote:
 
     def read_into(self, block_hashes: Sequence[bytes], namespace: bytes,
                   dests: Sequence[torch.Tensor | np.ndarray], *,
-                  transfer_id: int | None = None) -> ReadResult:
+                  transfer_id: int | None = None, request_num: int = -1) -> ReadResult:
         """Read, check and copy blocks into `dests` (one payload-shaped CPU tensor each).
 
         Args:
@@ -304,7 +304,7 @@ class ResilientRemote:
         self.stats.add("blocks_loaded", res.loaded)
         # A failed read is a transfer too (it is what a `remote_read` state waited on).
         self._span("remote_read", t0, t1, res.loaded * layout.block_size, res.nbytes,
-                   transfer_id)
+                   transfer_id, request_num)
         return res
 
     def _read_in_place(self, read_in_place: Callable[..., int | None],

@@ -15,7 +15,8 @@ from instrumented_engine.tiers.resilient import ReadResult, ResilientRemote
 
 
 def prefetch_into_host(remote: ResilientRemote, host: HostKVPool, block_hashes: Sequence[bytes],
-                       namespace: bytes, *, transfer_id: int | None = None) -> ReadResult:
+                       namespace: bytes, *, transfer_id: int | None = None,
+                       request_num: int = -1) -> ReadResult:
     """Load `block_hashes` from the remote tier into the host pool.
 
     Blocks already in the host pool are not read again and count as loaded. When the pool has
@@ -46,7 +47,8 @@ def prefetch_into_host(remote: ResilientRemote, host: HostKVPool, block_hashes: 
             statuses[i] = "error"
     if not reserved:
         return ReadResult(statuses, transfer_id=-1 if transfer_id is None else transfer_id)
-    res = remote.read_into(reserved, namespace, dests, transfer_id=transfer_id)
+    res = remote.read_into(reserved, namespace, dests, transfer_id=transfer_id,
+                           request_num=request_num)
     for j, st in enumerate(res.statuses):
         statuses[todo[j]] = st
     loaded = [h for h, st in zip(reserved, res.statuses, strict=True) if st is None]

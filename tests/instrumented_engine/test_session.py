@@ -64,6 +64,27 @@ def test_cli_run_end_to_end(tmp_path: Path) -> None:
         lines[2])
 
 
+def test_tier_flags_warm_remote_then_faults(tmp_path: Path) -> None:
+    remote = f"file://{tmp_path / 'remote'}"
+    base = dict(workload="docqa", num_requests=6, rate=0, model="tiny", metrics_port=0,
+                threads=1, collectors=False, remote=remote)
+    cold = run_session(RunOptions(**base, out=tmp_path / "cold", host_blocks=8))
+    warm = run_session(RunOptions(**base, out=tmp_path / "warm"))
+    faulty = run_session(RunOptions(**base, out=tmp_path / "faulty",
+                                    faults=("remote-corrupt-rate=1", "remote-latency=1ms")))
+    assert cold.remote_loaded_tokens == 0 and warm.remote_loaded_tokens > 0
+    assert faulty.remote_loaded_tokens == 0 and faulty.load_failed_tokens > 0
+    assert any(line.startswith("tiers        host loaded ") for line in warm.lines())
+    for name in ("cold", "warm", "faulty"):
+        _check_store(tmp_path / name, 6)
+    run = open_run(tmp_path / "faulty")
+    assert run.meta["config"]["tiers"]["remote"] == {
+        "url": remote, "timeout_ms": 500.0,
+        "faults": ["remote-corrupt-rate=1", "remote-latency=1ms"]}
+    assert (run.requests["load_failed_checksum_tokens"] > 0).any()
+    assert "remote_read" in set(run.spans["name"])
+
+
 def test_metrics_are_served_while_running(tmp_path: Path) -> None:
     port = free_port()
     urls: list[str | None] = []
@@ -113,6 +134,14 @@ def test_profile_writes_a_trace_with_kvscope_ranges(tmp_path: Path) -> None:
     (["--device", "tpu"], "--device: expected cpu or cuda"),
     (["--dtype", "int8"], "--dtype: expected one of"),
     (["--workload", "trace:/no/such.jsonl"], "no such trace file"),
+    (["--host-blocks", "-1"], "--host-blocks: must be >= 0"),
+    (["--host-write", "sometimes"], "--host-write: expected one of evict, through"),
+    (["--remote", "ftp://x"], "--remote 'ftp://x': scheme must be file:// or redis://"),
+    (["--remote", "redis://h:99999/0"], "bad port"),
+    (["--remote", "file:///tmp/r", "--remote-timeout-ms", "0"], "--remote-timeout-ms: must be"),
+    (["--remote", "file:///tmp/r", "--fault", "remote-latency"], "expected NAME=VALUE"),
+    (["--remote", "file:///tmp/r", "--fault", "remote-error-rate=2"], "must be in [0, 1]"),
+    (["--fault", "remote-latency=5ms"], "need a remote tier (--remote URL)"),
 ])
 def test_bad_options_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                          args: list[str], message: str) -> None:
