@@ -15,6 +15,9 @@ query is built from what ``PRAGMA table_info`` reports. Times are ns since sessi
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -57,6 +60,40 @@ def load_nsys(path: Path) -> ImportedRun:
     Raises:
         InputError: not SQLite, a corrupt/truncated database, or no Nsight Systems table.
     """
+    with open_nsys(path) as db:
+        return _load(db)
+
+
+@dataclass(slots=True)
+class NsysDb:
+    """An open Nsight Systems export and what every reader needs first.
+
+    Attributes:
+        con: a read-only connection.
+        path: the file.
+        tables: the tables present (an export has only those something was captured for).
+        epoch_ns: `TARGET_INFO_SESSION_START_TIME.utcEpochNs` (session start), None if absent.
+        strings: `StringIds` (id → value), for names stored as ids.
+    """
+
+    con: sqlite3.Connection
+    path: Path
+    tables: set[str]
+    epoch_ns: int | None
+    strings: dict[int, str]
+
+    def columns(self, table: str) -> set[str]:
+        """Columns of `table` in this export (they change between nsys versions)."""
+        return table_columns(self.con, table)
+
+
+@contextmanager
+def open_nsys(path: Path) -> Iterator[NsysDb]:
+    """Open an `nsys export --type sqlite` file read-only; errors become one-line InputErrors
+    naming the file (not SQLite, cannot open, corrupt or truncated, no Nsight Systems table).
+    """
+    import pandas as pd
+
     try:
         with path.open("rb") as f:
             head = f.read(len(SQLITE_MAGIC))
@@ -69,14 +106,29 @@ def load_nsys(path: Path) -> ImportedRun:
     except sqlite3.Error as exc:
         raise InputError(f"{path}: cannot open SQLite ({exc})") from None
     try:
-        return _load(con, path)
-    except sqlite3.DatabaseError as exc:
-        raise InputError(f"{path}: corrupt or truncated SQLite ({exc})") from None
+        tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        if not tables.intersection(_NSYS_TABLES):
+            raise InputError(f"{path}: SQLite without Nsight Systems tables (none of "
+                             f"{', '.join(_NSYS_TABLES)})")
+        epoch = None
+        if ("TARGET_INFO_SESSION_START_TIME" in tables
+                and "utcEpochNs" in table_columns(con, "TARGET_INFO_SESSION_START_TIME")):
+            row = con.execute("SELECT utcEpochNs FROM TARGET_INFO_SESSION_START_TIME").fetchone()
+            epoch = int(row[0]) if row and row[0] is not None else None
+        strings: dict[int, str] = {}
+        if "StringIds" in tables:
+            strings = dict(con.execute("SELECT id, value FROM StringIds").fetchall())
+        yield NsysDb(con, path, tables, epoch, strings)
+    except (sqlite3.DatabaseError, pd.errors.DatabaseError) as exc:
+        # pandas wraps sqlite errors from read_sql_query in its own DatabaseError.
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise InputError(f"{path}: corrupt or truncated SQLite ({detail})") from None
     finally:
         con.close()
 
 
-def _columns(con: sqlite3.Connection, table: str) -> set[str]:
+def table_columns(con: sqlite3.Connection, table: str) -> set[str]:
+    """Columns of `table` (``PRAGMA table_info``)."""
     return {r[1] for r in con.execute(f'PRAGMA table_info("{table}")')}
 
 
@@ -91,23 +143,13 @@ def _frame(con: sqlite3.Connection, sql: str, ints: tuple[str, ...]) -> pd.DataF
     return df
 
 
-def _load(con: sqlite3.Connection, path: Path) -> ImportedRun:
-    tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-    if not tables.intersection(_NSYS_TABLES):
-        raise InputError(f"{path}: SQLite without Nsight Systems tables (none of "
-                         f"{', '.join(_NSYS_TABLES)})")
-    run = ImportedRun.empty("nsys", path)
-    epoch = 0
-    if "TARGET_INFO_SESSION_START_TIME" in tables and "utcEpochNs" in _columns(
-            con, "TARGET_INFO_SESSION_START_TIME"):
-        row = con.execute("SELECT utcEpochNs FROM TARGET_INFO_SESSION_START_TIME").fetchone()
-        epoch = int(row[0]) if row and row[0] is not None else 0
+def _load(db: NsysDb) -> ImportedRun:
+    con, tables, strings = db.con, db.tables, db.strings
+    run = ImportedRun.empty("nsys", db.path)
+    epoch = db.epoch_ns or 0
     if not epoch:
         run.cannot.append("epoch times: no TARGET_INFO_SESSION_START_TIME; times are ns since "
                           "session start")
-    strings: dict[int, str] = {}
-    if "StringIds" in tables:
-        strings = dict(con.execute("SELECT id, value FROM StringIds").fetchall())
     run.summary = {"session_start_epoch_ns": epoch or None, "tables": len(tables)}
     _nvtx(con, tables, strings, epoch, run)
     _memcpy(con, tables, epoch, run)
@@ -123,7 +165,7 @@ def _nvtx(con: sqlite3.Connection, tables: set[str], strings: dict[int, str], ep
     if "NVTX_EVENTS" not in tables:
         run.cannot.append("TTFT stages: no NVTX_EVENTS table (NVTX not traced)")
         return
-    cols = _columns(con, "NVTX_EVENTS")
+    cols = table_columns(con, "NVTX_EVENTS")
     need = {"start", "end", "eventType"}
     if not need <= cols:
         run.cannot.append(f"TTFT stages: NVTX_EVENTS lacks {', '.join(sorted(need - cols))}")
@@ -215,7 +257,7 @@ def _memcpy(con: sqlite3.Connection, tables: set[str], epoch: int, run: Imported
     if t not in tables:
         run.cannot.append("h2d activity: no CUPTI_ACTIVITY_KIND_MEMCPY table (no copies traced)")
         return
-    cols = _columns(con, t)
+    cols = table_columns(con, t)
     if not {"start", "end", "copyKind"} <= cols:
         run.cannot.append(f"h2d activity: {t} lacks start/end/copyKind")
         return
@@ -244,11 +286,11 @@ def _memcpy(con: sqlite3.Connection, tables: set[str], epoch: int, run: Imported
 def _totals(con: sqlite3.Connection, tables: set[str], run: ImportedRun) -> None:
     for key, t in (("kernels", "CUPTI_ACTIVITY_KIND_KERNEL"),
                    ("runtime", "CUPTI_ACTIVITY_KIND_RUNTIME")):
-        if t in tables and {"start", "end"} <= _columns(con, t):
+        if t in tables and {"start", "end"} <= table_columns(con, t):
             c, tot = con.execute(f'SELECT COUNT(*), SUM("end" - start) FROM {t}').fetchone()
             run.summary[key] = {"count": int(c), "total_ns": int(tot or 0)}
     t = "CUPTI_ACTIVITY_KIND_SYNCHRONIZATION"
-    if t in tables and {"start", "end", "syncType"} <= _columns(con, t):
+    if t in tables and {"start", "end", "syncType"} <= table_columns(con, t):
         rows = con.execute(f'SELECT syncType, COUNT(*), SUM("end" - start) FROM {t} '
                            "GROUP BY syncType").fetchall()
         run.summary["sync"] = {SYNC_TYPES.get(k, str(k)): {"count": c, "total_ns": int(s or 0)}

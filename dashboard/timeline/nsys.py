@@ -25,15 +25,13 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from agent.errors import InputError
-from analyzers.importers.nsys import COPY_KINDS, SQLITE_MAGIC
+from analyzers.importers.nsys import COPY_KINDS, SQLITE_MAGIC, NsysDb, open_nsys, table_columns
 from dashboard.timeline.base import Clock, Event, Track
 from dashboard.timeline.lanes import assign_lanes
 
 NVTX_MARK, NVTX_PUSH_POP, NVTX_START_END = 34, 59, 60
 NVTX_THREAD_NAME, NVTX_DOMAIN_CREATE = 39, 75
 _MEMCPY, _KERNEL = "CUPTI_ACTIVITY_KIND_MEMCPY", "CUPTI_ACTIVITY_KIND_KERNEL"
-_TABLES = ("NVTX_EVENTS", _MEMCPY, _KERNEL, "TARGET_INFO_SESSION_START_TIME")
 #: Start/end NVTX lanes get tids from here on, clear of the thread tids (1, 2, ...).
 TID_START_END = 1 << 22
 
@@ -58,60 +56,28 @@ def nsys_events(path: str | Path, clock: Clock, pid: int,
     Raises:
         InputError: not SQLite, corrupt, or without Nsight Systems tables.
     """
-    p = Path(path)
-    try:
-        with p.open("rb") as fh:
-            head = fh.read(len(SQLITE_MAGIC))
-    except OSError as exc:
-        raise InputError(f"{p}: cannot read ({exc.strerror or exc})") from None
-    if not is_sqlite(head):
-        raise InputError(f"{p}: not an SQLite database")
-    try:
-        con = sqlite3.connect(f"{p.resolve().as_uri()}?mode=ro", uri=True)
-    except sqlite3.Error as exc:
-        raise InputError(f"{p}: cannot open SQLite ({exc})") from None
-    try:
-        return _read(con, p, clock, pid)
-    except (sqlite3.DatabaseError, pd.errors.DatabaseError) as exc:
-        # pandas wraps sqlite errors from read_sql_query in its own DatabaseError.
-        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise InputError(f"{p}: corrupt or truncated SQLite ({detail})") from None
-    finally:
-        con.close()
-
-
-def _columns(con: sqlite3.Connection, table: str) -> set[str]:
-    return {r[1] for r in con.execute(f'PRAGMA table_info("{table}")')}
+    with open_nsys(Path(path)) as db:
+        return _read(db, clock, pid)
 
 
 def _select(con: sqlite3.Connection, table: str, cols: tuple[str, ...]) -> pd.DataFrame:
     """`cols` of `table`, NULL for those this nsys version lacks (columns vary by version)."""
-    have = _columns(con, table)
+    have = table_columns(con, table)
     sel = ", ".join(f'"{c}"' if c in have else f'NULL AS "{c}"' for c in cols)
     return pd.read_sql_query(f'SELECT {sel} FROM "{table}"', con)
 
 
-def _read(con: sqlite3.Connection, p: Path, clock: Clock, pid: int,
+def _read(db: NsysDb, clock: Clock, pid: int,
           ) -> tuple[list[Event], list[tuple[int, str]], list[Track], list[str]]:
-    tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-    if not tables.intersection(_TABLES):
-        raise InputError(f"{p}: SQLite without Nsight Systems tables (none of "
-                         f"{', '.join(_TABLES)})")
+    con, p, tables, strings = db.con, db.path, db.tables, db.strings
     notes: list[str] = []
-    epoch = None
-    if "TARGET_INFO_SESSION_START_TIME" in tables and "utcEpochNs" in _columns(
-            con, "TARGET_INFO_SESSION_START_TIME"):
-        row = con.execute("SELECT utcEpochNs FROM TARGET_INFO_SESSION_START_TIME").fetchone()
-        epoch = int(row[0]) if row and row[0] is not None else None
+    epoch = db.epoch_ns
     suffix = ""
     if epoch is None:
         epoch = clock.origin_ns
         suffix = " [clock unaligned]"
         notes.append(f"{p}: no TARGET_INFO_SESSION_START_TIME.utcEpochNs; the nsys session "
                      "start is placed at the run's start, so its times are not aligned")
-    strings: dict[int, str] = {}
-    if "StringIds" in tables:
-        strings = dict(con.execute("SELECT id, value FROM StringIds").fetchall())
     events, tracks = _nvtx(con, tables, strings, epoch, clock, pid)
     gpu_events, gpu_tracks = _gpu(con, tables, strings, epoch, clock, pid + 1)
     processes = [(pid, f"nsys NVTX: {p.name}{suffix}"), (pid + 1, f"nsys GPU: {p.name}{suffix}")]
@@ -126,7 +92,8 @@ def _name(text: pd.Series, text_id: pd.Series, strings: dict[int, str]) -> pd.Se
 
 def _nvtx(con: sqlite3.Connection, tables: set[str], strings: dict[int, str], epoch: int,
           clock: Clock, pid: int) -> tuple[list[Event], list[Track]]:
-    if "NVTX_EVENTS" not in tables or not {"start", "eventType"} <= _columns(con, "NVTX_EVENTS"):
+    if "NVTX_EVENTS" not in tables or not ({"start", "eventType"}
+                                           <= table_columns(con, "NVTX_EVENTS")):
         return [], []
     df = _select(con, "NVTX_EVENTS",
                  ("start", "end", "eventType", "text", "textId", "globalTid", "domainId"))
@@ -180,7 +147,8 @@ def _nvtx(con: sqlite3.Connection, tables: set[str], strings: dict[int, str], ep
 
 def _thread_names(con: sqlite3.Connection, tables: set[str], strings: dict[int, str],
                   ) -> dict[int, str]:
-    if "ThreadNames" not in tables or not {"nameId", "globalTid"} <= _columns(con, "ThreadNames"):
+    if "ThreadNames" not in tables or not ({"nameId", "globalTid"}
+                                           <= table_columns(con, "ThreadNames")):
         return {}
     rows = con.execute("SELECT globalTid, nameId FROM ThreadNames").fetchall()
     return {g: strings[n] for g, n in rows if n in strings}
@@ -190,14 +158,14 @@ def _gpu(con: sqlite3.Connection, tables: set[str], strings: dict[int, str], epo
          clock: Clock, pid: int) -> tuple[list[Event], list[Track]]:
     need = {"start", "end", "deviceId", "streamId"}
     parts = []
-    if _MEMCPY in tables and need <= _columns(con, _MEMCPY):
+    if _MEMCPY in tables and need <= table_columns(con, _MEMCPY):
         m = _select(con, _MEMCPY, ("start", "end", "deviceId", "streamId", "correlationId",
                                    "bytes", "copyKind"))
         kinds = pd.to_numeric(m["copyKind"], errors="coerce")
         m["name"] = "memcpy " + kinds.map(COPY_KINDS).fillna(kinds.astype(str)).astype(str)
         m["cat"] = "nsys.memcpy"
         parts.append(m)
-    if _KERNEL in tables and need <= _columns(con, _KERNEL):
+    if _KERNEL in tables and need <= table_columns(con, _KERNEL):
         k = _select(con, _KERNEL, ("start", "end", "deviceId", "streamId", "correlationId",
                                    "shortName", "demangledName", "gridX", "gridY", "gridZ",
                                    "blockX", "blockY", "blockZ"))
