@@ -75,7 +75,8 @@ class HostCollector(BaseCollector):
             try:
                 self._procs[label] = psutil.Process(pid)
             except psutil.Error as exc:
-                log.warning("kvscope agent: cannot watch process %s (pid %d): %s", label, pid, exc)
+                log.warning("kvscope collectors: cannot watch process %s (pid %d): %s",
+                            label, pid, exc)
 
     def collect(self) -> Collection:
         em = Emitter(self.source, self.clock(), self.counters)

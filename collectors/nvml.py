@@ -137,7 +137,7 @@ class NvmlCollector(BaseCollector):
     def _unavailable(self, reason: str) -> None:
         self.available = False
         self.unavailable_reason = reason
-        log.warning("kvscope agent: %s; GPU metrics are off, the other collectors carry on",
+        log.warning("kvscope collectors: %s; GPU metrics are off, the other collectors carry on",
                     reason)
 
     def _open_devices(self, xid: bool) -> None:
@@ -167,7 +167,7 @@ class NvmlCollector(BaseCollector):
         try:
             self._evset = nv.nvmlEventSetCreate()
         except nv.NVMLError as exc:
-            log.info("kvscope agent: NVML event sets unavailable (%s); XIDs not watched", exc)
+            log.info("kvscope collectors: NVML event sets unavailable (%s); XIDs not watched", exc)
             return
         for gpu in self.gpus:
             try:
@@ -175,7 +175,8 @@ class NvmlCollector(BaseCollector):
                                             self._evset)
             except nv.NVMLError as exc:
                 gpu.unsupported.add("xid")
-                log.info("kvscope agent: GPU %d: XID events not available (%s)", gpu.index, exc)
+                log.info("kvscope collectors: GPU %d: XID events not available (%s)",
+                         gpu.index, exc)
 
     # ------------------------------------------------------------------ collection
     def collect(self) -> Collection:
@@ -192,7 +193,7 @@ class NvmlCollector(BaseCollector):
             except nv.NVMLError_GpuIsLost as exc:
                 gpu.lost = True
                 em.event("gpu_lost", {"gpu": gpu.index, "error": str(exc)})
-                log.error("kvscope agent: GPU %d is lost (%s); the other GPUs carry on",
+                log.error("kvscope collectors: GPU %d is lost (%s); the other GPUs carry on",
                           gpu.index, exc)
         if self._evset is not None:
             self._drain_xid(em)
@@ -237,7 +238,7 @@ class NvmlCollector(BaseCollector):
         except (nv.NVMLError_NotSupported, nv.NVMLError_NoPermission,
                 nv.NVMLError_FunctionNotFound) as exc:
             gpu.unsupported.add(key)
-            log.info("kvscope agent: GPU %d: %s not available (%s); skipped from now on",
+            log.info("kvscope collectors: GPU %d: %s not available (%s); skipped from now on",
                      gpu.index, key, exc)
         except nv.NVMLError_GpuIsLost:
             raise
@@ -280,7 +281,7 @@ class NvmlCollector(BaseCollector):
             except nv.NVMLError as exc:
                 if ("xid", -1) not in self._logged:
                     self._logged.add(("xid", -1))
-                    log.warning("kvscope agent: NVML event wait failed: %s", exc)
+                    log.warning("kvscope collectors: NVML event wait failed: %s", exc)
                 return
             if not data.eventType & nv.nvmlEventTypeXidCriticalError:
                 continue
@@ -296,7 +297,7 @@ class NvmlCollector(BaseCollector):
     def _log_once(self, gpu: _Gpu, key: str, exc: Exception) -> None:
         if (gpu.index, key) not in self._logged:
             self._logged.add((gpu.index, key))
-            log.warning("kvscope agent: GPU %d: reading %s failed: %s (logged once)",
+            log.warning("kvscope collectors: GPU %d: reading %s failed: %s (logged once)",
                         gpu.index, key, exc)
 
     def close(self) -> None:

@@ -116,13 +116,14 @@ class CollectorRunner:
         for t in self._threads:
             t.join(timeout_s)
             if t.is_alive():
-                log.warning("kvscope agent: %s did not stop within %.1f s", t.name, timeout_s)
+                log.warning("kvscope collectors: %s did not stop within %.1f s", t.name, timeout_s)
         self._threads = []
         for c in self.collectors:
             try:
                 c.close()
             except Exception:
-                log.warning("kvscope agent: closing collector %s failed", c.name, exc_info=True)
+                log.warning("kvscope collectors: closing collector %s failed", c.name,
+                            exc_info=True)
 
     @property
     def running(self) -> bool:
@@ -166,7 +167,7 @@ class CollectorRunner:
             h.last_duration_s = (self.clock() - t0) / 1e9
             if c.name not in self._fail_logged:
                 self._fail_logged.add(c.name)
-                log.warning("kvscope agent: collector %s failed: %s (further failures are "
+                log.warning("kvscope collectors: collector %s failed: %s (further failures are "
                             "counted in kvscope_collector_errors_total)", c.name, exc,
                             exc_info=True)
             ts = self.clock()
@@ -201,8 +202,8 @@ class CollectorRunner:
             dropped = len(col.samples)
             if not self._sink_failed_logged:
                 self._sink_failed_logged = True
-                log.warning("kvscope agent: the sample sink failed; its samples are counted as "
-                            "dropped", exc_info=True)
+                log.warning("kvscope collectors: the sample sink failed; its samples are "
+                            "counted as dropped", exc_info=True)
         if dropped and name in self.health:
             self.health[name].dropped += dropped
 
