@@ -1,5 +1,6 @@
 """Range annotations for external profilers: NVTX (domain ``kvscope``) and, optionally, the
-PyTorch profiler's ``record_function`` ranges (``kvscope.<name>``) so Kineto traces carry them.
+PyTorch profiler's ``record_function`` ranges (``kvscope.<name>#<payload>``, see
+`TorchProfilerAnnotator`) so Kineto traces carry them.
 
 Request stages overlap across requests, so they use NVTX start/end ranges (process-wide, not
 nested); nested step phases use push/pop. The message is the stage or phase name and the payload
@@ -17,6 +18,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 NVTX_DOMAIN = "kvscope"
+#: prefix of the torch profiler range names (see `TorchProfilerAnnotator`)
+TORCH_PREFIX = "kvscope."
 
 
 class NvtxAnnotator:
@@ -94,7 +97,19 @@ class NvtxAnnotator:
 
 
 class TorchProfilerAnnotator:
-    """``record_function("kvscope.<name>")`` ranges, active only under `kvscope run --profile`.
+    """``record_function`` ranges named ``kvscope.<name>#<payload>``, under `kvscope run --profile`.
+
+    Name format (parsed back by `analyzers.importers.kineto`)::
+
+        kvscope.<name>#<payload>      e.g. kvscope.queue#12, kvscope.forward#3
+
+    ``<name>`` is a request state (`STATES`: the payload is the request's `request_num`) or a
+    step phase (`STEP_PHASES`: the payload is the step id); ``<payload>`` is a decimal integer.
+    The payload is in the name because the profiler drops a range's argument string: torch
+    2.13's Chrome trace shows ``_record_function_enter_new(name, args)`` with no trace of
+    ``args`` (``Concrete Inputs: ['']`` at most, with ``record_shapes``), and the keyword
+    values of ``_RecordFunctionFast`` appear only with ``record_shapes=True`` and as a
+    ``cpu_op``. Names therefore differ per request; group by the part before ``#``.
 
     Uses the profiler's enter/exit ops so a range can start in one call and end in another
     (request stages are not lexically nested).
@@ -108,8 +123,14 @@ class TorchProfilerAnnotator:
         self._open: dict[int, Any] = {}
         self._next = 1
 
+    @staticmethod
+    def range_name(name: str, payload: int) -> str:
+        """The profiler range name of stage/phase `name` for request number or step `payload`."""
+        return f"{TORCH_PREFIX}{name}#{int(payload)}"
+
     def start(self, name: str, payload: int) -> int:
-        handle = self._enter(f"kvscope.{name}", str(payload))
+        """Open a range; returns its id for `end`."""
+        handle = self._enter(self.range_name(name, payload), None)
         rid = self._next
         self._next += 1
         self._open[rid] = handle

@@ -1,9 +1,16 @@
 """PyTorch profiler (Kineto) Chrome-trace JSON, `.json` or `.json.gz` → stages, H2D copies, totals.
 
-- `user_annotation` ranges named ``kvscope.<stage>`` (what `kvscope run --profile` emits) become
-  state spans; ``kvscope.<phase>`` for a step phase becomes a step span. The request comes from
-  the event's args (``request_num``/``request_id``, or a numeric first ``Concrete Inputs``)
-  when the trace carries it; otherwise all ranges belong to one synthetic request.
+- `user_annotation` ranges named ``kvscope.<stage>#<request_num>`` (what `kvscope run --profile`
+  emits, see `agent.telemetry.annotate.TorchProfilerAnnotator`) become state spans of that
+  request; ``kvscope.<phase>#<step_id>`` for a step phase becomes a step span with its step id.
+  The suffix is ``#`` and a decimal integer, and optional: for a bare ``kvscope.<stage>`` the
+  request comes from the event's args (``request_num``/``request_id``, or a numeric first
+  ``Concrete Inputs``) when the trace carries it; otherwise all such ranges belong to one
+  synthetic request ``kineto-0``.
+- Request ids: a trace in a run directory (`kvscope run --profile` writes
+  ``<run>/profile/torch_trace.json``; ``run.json`` in the trace's folder or the one above)
+  maps request_num → request_id through that run store's requests; elsewhere the id is the
+  request_num as a string.
 - `gpu_memcpy` events named ``Memcpy HtoD …`` become activity spans ``h2d`` with their bytes.
 - Kernels, syncs, copies by direction and flows are summarised, not imported row by row.
 
@@ -93,7 +100,7 @@ def load_kineto(path: Path) -> ImportedRun:
         "base_time_ns": base,
     }
     _h2d(run, copies, times)
-    _annotations(run, pick("user_annotation"), times)
+    _annotations(run, pick("user_annotation"), times, _run_ids(path))
     run.cannot.append("token sources (hits, loads, recompute): accounting columns left <NA>")
     if run.summary["kernels"]["count"]:
         run.can.append(f"kernel summary: {len(kernels)} kernels, "
@@ -149,6 +156,21 @@ def _h2d(run: ImportedRun, copies: list[dict[str, Any]], times: Any) -> None:
     run.can.append(f"h2d activity: {n} `Memcpy HtoD` copies with bytes (not linked to requests)")
 
 
+def _run_ids(path: Path) -> dict[int, str]:
+    """request_num → request_id from the run store the trace sits in ({} when none)."""
+    for d in (path.parent, path.parent.parent):
+        if (d / "run.json").is_file():
+            from agent.runstore import open_run
+
+            try:
+                req = open_run(d, tables=("requests",)).requests
+            except (InputError, OSError):
+                return {}  # not a readable run store: fall back to request_num as the id
+            nums = req["request_num"].to_numpy(dtype=np.int64, na_value=-1)
+            return dict(zip(nums.tolist(), req["request_id"].astype(str).tolist(), strict=True))
+    return {}
+
+
 def _request_of(args: dict[str, Any]) -> str | None:
     for k in _REQ_KEYS:
         if args.get(k) not in (None, ""):
@@ -159,18 +181,32 @@ def _request_of(args: dict[str, Any]) -> str | None:
     return None
 
 
-def _annotations(run: ImportedRun, ann: list[dict[str, Any]], times: Any) -> None:
+def split_name(name: str) -> tuple[str, int | None]:
+    """``kvscope.queue#12`` → ("queue", 12); ``kvscope.queue`` → ("queue", None).
+
+    Args:
+        name: a range name starting with ``kvscope.``.
+    Returns:
+        The stage or phase name and the integer payload (request_num or step id), None when
+        the name has no ``#<integer>`` suffix.
+    """
+    base, sep, tail = name[len(PREFIX):].rpartition("#")
+    if sep and tail.lstrip("-").isdigit():
+        return base, int(tail)
+    return name[len(PREFIX):], None
+
+
+def _annotations(run: ImportedRun, ann: list[dict[str, Any]], times: Any,
+                 ids: dict[int, str]) -> None:
     ours = [e for e in ann if str(e.get("name", "")).startswith(PREFIX)]
     if not ours:
         run.cannot.append(f"TTFT stages: no `{PREFIX}<stage>` user annotations (trace not "
                           "recorded by `kvscope run --profile`)")
         return
-    names = np.array([e["name"][len(PREFIX):] for e in ours], dtype=object)
+    parsed = [split_name(e["name"]) for e in ours]
+    names = np.array([n for n, _ in parsed], dtype=object)
+    payload = [p for _, p in parsed]
     start, end = times(ours)
-    args = [e.get("args") or {} for e in ours]
-    rids = [_request_of(a) for a in args]
-    synthetic = all(r is None for r in rids)
-    rids = ["kineto-0" if r is None else r for r in rids]
     is_state = np.isin(names, np.array(STATES, dtype=object))
     is_step = np.isin(names, np.array(STEP_PHASES, dtype=object))
     frames = [run.spans]
@@ -179,7 +215,7 @@ def _annotations(run: ImportedRun, ann: list[dict[str, Any]], times: Any) -> Non
         m = np.flatnonzero(is_step)
         frames.append(spans_frame({
             "kind": ["step"] * len(m), "name": names[m], "start_ns": start[m], "end_ns": end[m],
-            "clock": ["cpu"] * len(m)}, len(m)))
+            "step_id": [payload[i] for i in m], "clock": ["cpu"] * len(m)}, len(m)))
     other = np.flatnonzero(~is_state & ~is_step)
     if len(other):
         frames.append(spans_frame({
@@ -188,24 +224,31 @@ def _annotations(run: ImportedRun, ann: list[dict[str, Any]], times: Any) -> Non
 
     st = np.flatnonzero(is_state)
     if len(st):
-        uniq, req = np.unique(np.array([rids[i] for i in st], dtype=object), return_inverse=True)
+        keys = [str(payload[i]) if payload[i] is not None
+                else _request_of(ours[i].get("args") or {}) for i in st]
+        synthetic = all(k is None for k in keys)
+        keys = ["kineto-0" if k is None else k for k in keys]
+        uniq, req = np.unique(np.array(keys, dtype=object), return_inverse=True)
+        nums = _nums(uniq)
+        rid = np.array([ids.get(int(n), u) for n, u in zip(nums, uniq, strict=True)],
+                       dtype=object) if ids else uniq
         stage, s, e = names[st], start[st], end[st]
         arrival, first = ttft_window(req, stage, s, e, len(uniq))
         ttft_m = np.isin(stage, np.array(TTFT_STAGES, dtype=object))
         part = sweep_partition(req[ttft_m], stage[ttft_m], s[ttft_m], e[ttft_m], arrival, first)
         dec = np.flatnonzero(~ttft_m)
+        rows = np.r_[part.req, req[dec]]
         frames.append(spans_frame({
-            "request_id": uniq[np.r_[part.req, req[dec]]],
-            "request_num": _nums(uniq)[np.r_[part.req, req[dec]]],
-            "kind": ["state"] * (len(part.req) + len(dec)),
+            "request_id": rid[rows], "request_num": nums[rows],
+            "kind": ["state"] * len(rows),
             "name": np.r_[part.stage, stage[dec]],
             "start_ns": np.r_[part.start_ns, s[dec]], "end_ns": np.r_[part.end_ns, e[dec]],
-            "clock": ["cpu"] * (len(part.req) + len(dec))}, len(part.req) + len(dec)))
+            "clock": ["cpu"] * len(rows)}, len(rows)))
         finish = first.copy()
         np.maximum.at(finish, req[dec], e[dec])
         has = first > arrival
         run.requests = requests_frame({
-            "request_id": uniq, "request_num": _nums(uniq), "arrival_ns": arrival,
+            "request_id": rid, "request_num": nums, "arrival_ns": arrival,
             "first_token_ns": [int(f) if h else None for f, h in zip(first, has, strict=True)],
             "finish_ns": finish, "status": ["ok"] * len(uniq)}, len(uniq))
         run.partition_derived = True
@@ -215,6 +258,9 @@ def _annotations(run: ImportedRun, ann: list[dict[str, Any]], times: Any) -> Non
             f"{part.overlap_ns} ns of overlap resolved, {part.other_ns} ns uncovered → other; "
             "arrival/first token = hull of the request's stage ranges")
         run.can.append(f"TTFT stages for {len(uniq)} request(s)")
+        if ids:
+            run.derived.append("request ids: request_num → request_id from the run store "
+                               "beside the trace")
         if synthetic:
             run.cannot.append("per-request split: the annotations carry no request, so all "
                               "ranges form one synthetic request `kineto-0`")
@@ -222,7 +268,7 @@ def _annotations(run: ImportedRun, ann: list[dict[str, Any]], times: Any) -> Non
 
 
 def _nums(ids: np.ndarray) -> np.ndarray:
-    """request_num: the id itself when numeric (the NVTX payload), else its position."""
+    """request_num: the id itself when numeric (the range suffix), else its position."""
     try:
         return np.array([int(x) for x in ids], dtype=np.int64)
     except ValueError:

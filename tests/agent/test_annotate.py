@@ -4,6 +4,7 @@ attached) and through the real `nvtx.Domain` path."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -89,14 +90,32 @@ def test_nvtx_off_records_the_same_spans() -> None:
     assert _scenario(rec) == EXPECTED
 
 
-def test_torch_profiler_ranges_carry_kvscope_names() -> None:
+def test_torch_profiler_ranges_carry_kvscope_names_and_payloads(tmp_path: Path) -> None:
     from torch.profiler import ProfilerActivity, profile
+
+    from analyzers.importers.kineto import load_kineto, split_name
 
     rec = Recorder(anchor=ANCHOR)
     rec.add_annotator(TorchProfilerAnnotator())
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         assert _scenario(rec) == EXPECTED
+        ann = rec.annotators[0]
+        ann.end(ann.start("forward", 3))  # a step phase range, as EngineTelemetry.phase does
     names = [e.name for e in prof.events() if e.name.startswith("kvscope.")]
-    assert sorted(set(names)) == ["kvscope.decode", "kvscope.lookup", "kvscope.prefill",
-                                  "kvscope.queue"]
+    # request_num 0 (the first request of this recorder) is in every stage range's name.
+    assert sorted(set(names)) == ["kvscope.decode#0", "kvscope.forward#3", "kvscope.lookup#0",
+                                  "kvscope.prefill#0", "kvscope.queue#0"]
+    assert TorchProfilerAnnotator.range_name("queue", 12) == "kvscope.queue#12"
+    assert split_name("kvscope.queue#12") == ("queue", 12)
+    assert split_name("kvscope.queue") == ("queue", None)
     assert rec.stats.recording_errors == 0
+    # The exported Chrome trace keeps the names, and the importer maps them back.
+    trace = tmp_path / "t.json"
+    prof.export_chrome_trace(str(trace))
+    run = load_kineto(trace)
+    assert run.requests[["request_id", "request_num"]].values.tolist() == [["0", 0]]
+    st = run.spans[run.spans["kind"] == "state"]
+    assert set(st["name"]) >= {"lookup", "queue", "prefill", "decode"}
+    assert set(st["request_num"]) == {0}
+    step = run.spans[run.spans["kind"] == "step"]
+    assert step[["name", "step_id"]].values.tolist() == [["forward", 3]]

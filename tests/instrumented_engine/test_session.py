@@ -119,7 +119,8 @@ def test_profile_writes_a_trace_with_kvscope_ranges(tmp_path: Path) -> None:
     path = tmp_path / "run" / PROFILE_TRACE
     raw = path.read_bytes()
     data = json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
-    names = {e.get("name") for e in data["traceEvents"]}
+    # range names are `kvscope.<name>#<request_num or step id>` (agent/telemetry/annotate.py)
+    names = {str(e.get("name")).partition("#")[0] for e in data["traceEvents"]}
     assert {"kvscope.lookup", "kvscope.queue", "kvscope.prefill", "kvscope.decode",
             "kvscope.forward", "kvscope.schedule"} <= names
     assert open_run(tmp_path / "run").meta["profile"] == PROFILE_TRACE

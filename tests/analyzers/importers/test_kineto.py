@@ -6,6 +6,7 @@ import pyarrow as pa
 from agent.telemetry.partition import check_partition
 from analyzers.importers import detect, load
 from analyzers.importers.base import us_to_ns
+from analyzers.importers.kineto import split_name
 from tests.analyzers.importers.fixtures import T0, ann, kineto_trace
 from tests.conftest import shared_data
 
@@ -121,3 +122,85 @@ def test_stdlib_json_fallback_gives_the_same_import(tmp_path, monkeypatch):
     monkeypatch.setattr(base, "_orjson", None)  # as in an environment without orjson
     slow = load(p)
     assert fast.spans.equals(slow.spans) and fast.summary == slow.summary
+
+
+def _two_requests() -> list[dict]:
+    """Two requests' ranges named `kvscope.<stage>#<request_num>`, interleaved in time."""
+    return [
+        ann("kvscope.lookup#3", 0, 10), ann("kvscope.queue#3", 10, 20),
+        ann("kvscope.lookup#4", 5, 5), ann("kvscope.queue#4", 10, 40),
+        ann("kvscope.prefill#3", 30, 30), ann("kvscope.decode#3", 60, 10),
+        ann("kvscope.prefill#4", 50, 20),
+        ann("kvscope.schedule#1", 29, 1), ann("kvscope.forward#1", 30, 28),
+        ann("kvscope.forward#2", 58, 10),
+    ]
+
+
+def _state_rows(run) -> list[tuple[str, int, str, int, int]]:
+    st = run.spans[run.spans["kind"] == "state"].sort_values(["request_num", "start_ns"])
+    return [(r, int(n), s, (int(a) - T0) // US, (int(b) - T0) // US) for r, n, s, a, b in zip(
+        st["request_id"], st["request_num"], st["name"], st["start_ns"], st["end_ns"],
+        strict=True)]
+
+
+def test_range_name_suffix_splits_requests_and_steps(tmp_path):
+    run = load(kineto_trace(tmp_path, _two_requests(), base_ns=T0))
+    assert _state_rows(run) == [
+        ("3", 3, "lookup", 0, 10), ("3", 3, "queue", 10, 30), ("3", 3, "prefill", 30, 60),
+        ("3", 3, "decode", 60, 70),
+        ("4", 4, "lookup", 5, 10), ("4", 4, "queue", 10, 50), ("4", 4, "prefill", 50, 70)]
+    req = run.requests.sort_values("request_num")
+    assert req[["request_id", "request_num"]].values.tolist() == [["3", 3], ["4", 4]]
+    assert [(int(a) - T0) // US for a in req["arrival_ns"]] == [0, 5]
+    assert [(int(f) - T0) // US for f in req["first_token_ns"]] == [60, 70]
+    step = run.spans[run.spans["kind"] == "step"]
+    assert step[["name", "step_id"]].values.tolist() == [["schedule", 1], ["forward", 1],
+                                                         ["forward", 2]]
+    assert not any("synthetic" in c for c in run.cannot)
+
+
+def test_split_name_forms():
+    assert split_name("kvscope.queue#12") == ("queue", 12)
+    assert split_name("kvscope.queue") == ("queue", None)
+    assert split_name("kvscope.queue#") == ("queue#", None)  # no integer: not a payload
+    assert split_name("kvscope.queue#x") == ("queue#x", None)
+
+
+def test_suffix_wins_over_args_and_bare_names_keep_args(tmp_path):
+    events = [ann("kvscope.queue#5", 0, 10, request_num=9), ann("kvscope.prefill#5", 10, 5),
+              ann("kvscope.queue", 0, 4, request_num=9), ann("kvscope.prefill", 4, 4,
+                                                             request_num=9)]
+    run = load(kineto_trace(tmp_path, events, base_ns=T0))
+    assert sorted(run.requests["request_id"]) == ["5", "9"]
+
+
+def test_run_directory_maps_request_num_to_request_id(tmp_path):
+    from agent.clock import ClockAnchor
+    from agent.runstore import RunStoreWriter
+    from agent.telemetry import Recorder, RequestAccounting
+
+    rec = Recorder(anchor=ClockAnchor(wall_ns=0, mono_ns=0), nvtx=False)
+    for i in range(5):  # request_num 0..4, ids in the engine's format
+        rn = rec.request_begin(f"docqa-{i:05d}", 10)
+        rec.request_end(rn, RequestAccounting(), t=20)
+    run_dir = tmp_path / "run"
+    w = RunStoreWriter(run_dir, config={})
+    w.write_all(rec.drain())
+    w.close()
+    (run_dir / "profile").mkdir()
+    run = load(kineto_trace(run_dir / "profile", _two_requests(), base_ns=T0))
+    assert sorted(run.requests[["request_id", "request_num"]].values.tolist()) == [
+        ["docqa-00003", 3], ["docqa-00004", 4]]
+    assert {r[0] for r in _state_rows(run)} == {"docqa-00003", "docqa-00004"}
+    assert any("from the run store" in d for d in run.derived)
+    # a request_num the store lacks keeps its number as the id
+    run = load(kineto_trace(run_dir / "profile", [*_two_requests(),
+                                                  ann("kvscope.queue#8", 0, 3)], base_ns=T0,
+                            name="more"))
+    assert "8" in set(run.requests["request_id"])
+
+
+def test_unreadable_run_json_falls_back_to_numbers(tmp_path):
+    (tmp_path / "run.json").write_text("{not json")
+    run = load(kineto_trace(tmp_path, _two_requests(), base_ns=T0))
+    assert sorted(run.requests["request_id"]) == ["3", "4"]
