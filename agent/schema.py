@@ -42,6 +42,9 @@ STATUSES: tuple[str, ...] = ("ok", "error", "aborted")
 CLOCKS: tuple[str, ...] = ("cpu", "cuda_event")
 SAMPLE_SOURCES: tuple[str, ...] = ("nvml", "nic", "rdma", "host", "pool", "agent")
 LOAD_FAIL_REASONS: tuple[str, ...] = ("timeout", "checksum", "error", "circuit_open", "evicted")
+#: Remote tier operations and their outcomes (labels of kvscope_remote_operations_total).
+REMOTE_OPS: tuple[str, ...] = ("lookup", "read", "write")
+REMOTE_OP_OUTCOMES: tuple[str, ...] = ("ok", "timeout", "checksum", "error", "circuit_open")
 BLOCK_STATES: tuple[str, ...] = ("in_use", "cached_free", "empty")
 #: Where a prompt token's KV came from; the four terms of the accounting identity.
 TOKEN_SOURCES: tuple[str, ...] = ("device_hit", "host_loaded", "remote_loaded", "recomputed")
@@ -301,6 +304,10 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
                "Requests waiting for admission."),
     MetricSpec("kvscope_remote_breaker_open", "gauge", "", (_M,),
                "1 while the remote tier's circuit breaker is open, else 0."),
+    MetricSpec("kvscope_remote_operations_total", "counter", "", (_M, "op", "outcome"),
+               "Remote tier operations (lookup, read, write) by outcome (ok, timeout, checksum, "
+               "error, circuit_open); a read is `checksum` when any object failed its check. "
+               "Retries inside one operation are not counted separately."),
 )
 
 TELEMETRY_METRICS: tuple[MetricSpec, ...] = (

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from agent.schema import LOAD_FAIL_REASONS, STATE_CODE
+from agent.schema import LOAD_FAIL_REASONS, REMOTE_OP_OUTCOMES, REMOTE_OPS, STATE_CODE
 from instrumented_engine.core.block_hash import BlockHash
 from instrumented_engine.core.request import Request
 from instrumented_engine.h2d import H2DCopier, H2DCopy
@@ -57,6 +57,10 @@ SYNC = STATE_CODE["sync"]
 PREFILL = STATE_CODE["prefill"]
 HOST_WRITES = ("evict", "through")
 _POOL_STATES = ("in_use", "cached_free", "empty")
+REMOTE_OPS_TOTAL = "kvscope_remote_operations_total"
+#: Its (op, outcome) series: only reads check objects, so only they can end in `checksum`.
+REMOTE_OP_SERIES = tuple((op, o) for op in REMOTE_OPS for o in REMOTE_OP_OUTCOMES
+                         if o != "checksum" or op == "read")
 
 
 @dataclass(slots=True, frozen=True)
@@ -189,6 +193,8 @@ class TierFlow:
         self._closed = False
         self.offloaded = 0
         self.offload_skipped = 0
+        self._published_ops: dict[tuple[str, str], int] | None = None
+        self._publish_remote_ops()  # the zero baseline, before the first operation
 
     @property
     def lookup_tiers(self) -> tuple[Any, ...]:
@@ -418,13 +424,33 @@ class TierFlow:
 
     def record_pools(self, t: int) -> None:
         """(Engine, each step) host pool occupancy as samples and block-pool gauges (states:
-        in_use = slots being filled, cached_free = indexed, empty = free)."""
+        in_use = slots being filled, cached_free = indexed, empty = free); the remote
+        operation counters."""
         rec = self.rec
-        if rec is None or self.host is None:
+        if rec is None:
+            return
+        self._publish_remote_ops()
+        if self.host is None:
             return
         for state, v in zip(_POOL_STATES, self.host.state_counts(), strict=True):
             rec.sample("pool", state, v, entity="host", unit="blocks", t=t)
             rec.set_gauge("kvscope_block_pool_blocks", v, (self.model, "host", state))
+
+    def _publish_remote_ops(self) -> None:
+        """(Engine loop only) `kvscope_remote_operations_total` from the remote's cumulative
+        outcome counts. The workers count; only this thread publishes, as absolute values, so
+        the live counter never goes backwards. Every (op, outcome) is published from the first
+        step on, zeros included, so a rate over the first failures sees them."""
+        rec, remote = self.rec, self.remote
+        if rec is None or remote is None:
+            return
+        counts = remote.stats.outcome_counts()
+        if counts == self._published_ops:
+            return
+        self._published_ops = counts
+        for op, outcome in REMOTE_OP_SERIES:
+            rec.set_counter(REMOTE_OPS_TOTAL, counts.get((op, outcome), 0),
+                            (self.model, op, outcome))
 
     def _record_stats(self) -> None:
         """Counters of the tier components as samples at the end (source `pool`, entity the
@@ -496,6 +522,7 @@ class TierFlow:
         self._closed = True
         if self.writer is not None:
             self.writer.close()
+        self._publish_remote_ops()  # the writes the close just flushed
         self._record_stats()
         if self._pool is not None:
             self._pool.shutdown(wait=True)

@@ -226,6 +226,13 @@ class OtherRecords:
         key = (name, labels)
         self.counters[key] = self.counters.get(key, 0) + n
 
+    def set_counter(self, name: str, value: float, labels: tuple[str, ...] = ()) -> None:
+        """(One publishing thread per series) set a live counter to an absolute cumulative
+        value, for counts kept elsewhere (e.g. by tier worker threads) and published by the
+        engine loop: a plain store, so it never races with a reader's copy, and the value
+        only moves forward as long as one thread publishes a monotonic source."""
+        self.counters[(name, labels)] = value
+
     def metrics_snapshot(self) -> tuple[dict[tuple[str, tuple[str, ...]], float],
                                         dict[tuple[str, tuple[str, ...]], float]]:
         """Copies of (gauges, counters), safe to iterate while the engine keeps recording."""

@@ -117,45 +117,54 @@ def panels() -> list[dict[str, Any]]:
         (f"max by (instance, model) (kvscope_remote_breaker_open{{{ENG}}})",
          "{{instance}} {{model}}"),
     ], x=12, y=26, unit="bool", kind="state-timeline"))
+    p.append(_panel(20, "Remote operations by outcome / lookups+reads", [
+        (f'sum by (op, outcome) (rate(kvscope_remote_operations_total{{{ENG}, '
+         f'outcome!="ok"}}[{RI}]))', "failed {{op}} {{outcome}}"),
+        (f'sum(rate(kvscope_remote_operations_total{{{ENG}, op=~"lookup|read"}}[{RI}]))',
+         "lookups+reads (denominator)"),
+    ], x=0, y=34, w=24, unit="ops",
+        description="Operations per second. A failed lookup promises nothing, so it shows "
+                    "here and not in the load-failed tokens above; writes are behind the "
+                    "request path and left out of the denominator."))
     p.append(_panel(10, "KV bytes read by tier", [
         (f"sum by (tier) (rate(kvscope_kv_read_bytes_total{{{ENG}}}[{RI}]))", "{{tier}}"),
         (f"sum(rate(kvscope_h2d_bytes_total{{{ENG}}}[{RI}]))", "h2d"),
-    ], x=0, y=34, unit="Bps"))
+    ], x=0, y=42, unit="Bps"))
     p.append(_panel(11, "KV transfer p99 by tier", [
         (f"histogram_quantile(0.99, sum by (tier, le) "
          f"(rate(kvscope_kv_transfer_seconds_bucket{{{ENG}}}[{RI}])))", "{{tier}}"),
-    ], x=12, y=34, unit="s"))
+    ], x=12, y=42, unit="s"))
 
-    p.append(_row(12, "Scheduler and block pool", 42))
+    p.append(_row(12, "Scheduler and block pool", 50))
     p.append(_panel(13, "Device block pool", [
         (f'sum by (state) (kvscope_block_pool_blocks{{{ENG}, tier="device"}})', "{{state}}"),
-    ], x=0, y=43, unit="short", stack=True))
+    ], x=0, y=51, unit="short", stack=True))
     p.append(_panel(14, "Preemptions and queue", [
         (f"sum(rate(kvscope_preemptions_total{{{ENG}}}[{RI}]))", "preemptions/s"),
         (f"sum(kvscope_requests_waiting{{{ENG}}})", "waiting"),
         (f"sum(kvscope_requests_running{{{ENG}}})", "running"),
-    ], x=12, y=43, unit="short"))
+    ], x=12, y=51, unit="short"))
 
-    p.append(_row(15, "Hardware", 51))
+    p.append(_row(15, "Hardware", 59))
     p.append(_panel(16, "GPU XID errors (increase)", [
         (f"sum by (instance, gpu, xid) (increase(kvscope_gpu_xid_errors_total{{{NODE}}}[{RI}]))",
          "{{instance}} gpu {{gpu}} xid {{xid}}"),
-    ], x=0, y=52, unit="short"))
+    ], x=0, y=60, unit="short"))
     p.append(_panel(17, "GPU utilization", [
         (f"kvscope_gpu_utilization_ratio{{{NODE}}}", "{{instance}} gpu {{gpu}}"),
-    ], x=12, y=52, unit="percentunit"))
+    ], x=12, y=60, unit="percentunit"))
     p.append(_panel(18, "NIC errors", [
         (f"sum by (instance, device) (rate(kvscope_nic_receive_errors_total{{{NODE}}}[{RI}]))",
          "rx {{instance}} {{device}}"),
         (f"sum by (instance, device) (rate(kvscope_nic_transmit_errors_total{{{NODE}}}[{RI}]))",
          "tx {{instance}} {{device}}"),
-    ], x=0, y=60, unit="short"))
+    ], x=0, y=68, unit="short"))
     p.append(_panel(19, "NIC throughput", [
         (f"sum by (instance, device) (rate(kvscope_nic_receive_bytes_total{{{NODE}}}[{RI}]))",
          "rx {{instance}} {{device}}"),
         (f"sum by (instance, device) (rate(kvscope_nic_transmit_bytes_total{{{NODE}}}[{RI}]))",
          "tx {{instance}} {{device}}"),
-    ], x=12, y=60, unit="Bps"))
+    ], x=12, y=68, unit="Bps"))
     return p
 
 

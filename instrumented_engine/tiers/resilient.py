@@ -14,7 +14,9 @@ Timeouts and errors feed the breaker; corrupt objects do not (the backend is up)
 
 Counters (`stats`): `failures` are failed backend *attempts* by reason (timeout, error,
 circuit_open: what the op counters and breaker see); `blocks_failed_<reason>` counts blocks not
-loaded by reason (all five LOAD_FAIL_REASONS); `corrupt_<field>` says which check failed.
+loaded by reason (all five LOAD_FAIL_REASONS); `corrupt_<field>` says which check failed;
+`outcomes` counts each lookup/read/write once by its outcome (agent.schema.REMOTE_OP_OUTCOMES),
+which the engine publishes as `kvscope_remote_operations_total`.
 """
 
 from __future__ import annotations
@@ -234,6 +236,7 @@ class ResilientRemote:
             return 0
         t0 = self.clock()
         n, reason, _ = self._run("lookup", lambda: self.store.lookup(block_hashes, start))
+        self.stats.outcome("lookup", reason or "ok")
         if reason is not None:
             self.stats.add(f"lookup_failed_{reason}")
             return 0
@@ -298,6 +301,10 @@ class ResilientRemote:
         else:
             statuses, nbytes = value
             res = ReadResult(statuses, nbytes, transfer_id, t0, t1)
+        # A read that reached the backend but returned a corrupt object is a `checksum`
+        # outcome; a promised object that is gone (`evicted`) is not a backend failure.
+        outcome = reason or ("checksum" if "checksum" in res.statuses else "ok")
+        self.stats.outcome("read", outcome)
         for r, n in res.failed_by_reason().items():
             self.stats.add(f"blocks_failed_{r}", n)
         self.stats.add("bytes_read", res.nbytes)
@@ -345,6 +352,7 @@ class ResilientRemote:
         """Store already-encoded object bytes; returns None or the failure reason."""
         t0 = self.clock()
         _, reason, _ = self._run("write", lambda: self.store.write(block_hash, data))
+        self.stats.outcome("write", reason or "ok")
         if reason is not None:
             self.stats.add(f"write_failed_{reason}")
             return reason

@@ -38,6 +38,9 @@ class OpStats:
         failures: failed operations by reason (agent.schema.LOAD_FAIL_REASONS where it applies).
         counters: everything else by name (bytes_read, bytes_written, late_completions, ...).
         latency: a histogram per op name.
+        outcomes: operations by (op, outcome), one per caller-visible operation whatever its
+            retries (`ok` or the failure reason); cumulative, so a reader may publish them as
+            absolute counter values.
     """
 
     def __init__(self) -> None:
@@ -46,6 +49,7 @@ class OpStats:
         self.failures: dict[str, int] = {}
         self.counters: dict[str, int] = {}
         self.latency: dict[str, LatencyHistogram] = {}
+        self.outcomes: dict[tuple[str, str], int] = {}
 
     def op(self, name: str, ns: int) -> None:
         with self._lock:
@@ -62,6 +66,17 @@ class OpStats:
     def add(self, name: str, n: int = 1) -> None:
         with self._lock:
             self.counters[name] = self.counters.get(name, 0) + n
+
+    def outcome(self, op: str, outcome: str) -> None:
+        """Count one finished operation `op` by its outcome."""
+        with self._lock:
+            key = (op, outcome)
+            self.outcomes[key] = self.outcomes.get(key, 0) + 1
+
+    def outcome_counts(self) -> dict[tuple[str, str], int]:
+        """A copy of the operations by (op, outcome)."""
+        with self._lock:
+            return dict(self.outcomes)
 
     def get(self, name: str) -> int:
         return self.counters.get(name, 0)

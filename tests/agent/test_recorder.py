@@ -572,6 +572,14 @@ def test_metrics_snapshot_is_a_copy() -> None:
     assert counters == {("kvscope_requests_total", ("m", "ok")): 2}
 
 
+def test_set_counter_publishes_an_absolute_cumulative_value() -> None:
+    rec = make()
+    name, labels = "kvscope_remote_operations_total", ("m", "lookup", "error")
+    for v in (0, 5, 7):
+        rec.set_counter(name, v, labels)
+    assert rec.metrics_snapshot()[1] == {(name, labels): 7}
+
+
 def test_transfer_ids_are_unique_across_threads() -> None:
     rec = make()
     got: list[int] = []

@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 BOUNDED_LABELS = {
     "model", "status", "stage", "source", "tier", "reason", "name", "phase", "state", "table",
     "exporter", "gpu", "kind", "xid", "device", "port", "process", "collector", "version",
-    "schema_version", "python",
+    "schema_version", "python", "op", "outcome",
 }
 BASE_UNIT_SUFFIXES = {"seconds": "_seconds", "bytes": "_bytes", "tokens": "_tokens",
                       "ratio": "_ratio", "watts": "_watts", "joules": "_joules",

@@ -82,7 +82,7 @@ def test_structure_is_importable() -> None:
 def test_every_query_parses_with_promtool(tmp_path: Path) -> None:
     """Each panel query, variables substituted, is a valid recording rule for promtool."""
     exprs = [_substitute(e) for e in _queries(_load())]
-    assert len(exprs) == 26
+    assert len(exprs) == 28
     rules = {"groups": [{"name": "grafana-panels", "rules": [
         {"record": f"grafana:panel_query_{i}:expr", "expr": e} for i, e in enumerate(exprs)]}]}
     path = tmp_path / "panels.yaml"

@@ -25,7 +25,7 @@ EXPECTED_ALERTS = {
     "KvscopeTTFTSLOFastBurn", "KvscopeTTFTSLOSlowBurn", "KvscopeRemoteReadFailureRatioHigh",
     "KvscopeRemoteBreakerOpen", "KvscopeRecomputeStorm", "KvscopeTokenHitShareDrop",
     "KvscopeBlockPoolExhausted", "KvscopePreemptionRateHigh", "KvscopeGPUXidError",
-    "KvscopeNICErrors",
+    "KvscopeNICErrors", "KvscopeRemoteOperationsFailing",
 }
 
 
@@ -42,7 +42,7 @@ def _promtool(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 def test_promtool_check_rules() -> None:
     res = _promtool("check", "rules", RULES.name, cwd=RULES_DIR)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "SUCCESS: 23 rules found" in res.stdout
+    assert "SUCCESS: 27 rules found" in res.stdout
 
 
 def test_promtool_test_rules() -> None:
@@ -52,14 +52,16 @@ def test_promtool_test_rules() -> None:
 
 
 def test_rule_tests_catch_a_wrong_threshold(tmp_path: Path) -> None:
-    """The unit tests can fail: a remote-failure threshold of 50 % breaks them."""
+    """The unit tests can fail: a remote-failure threshold of 50 % breaks them (both the
+    failed-token and the failed-operation alert)."""
     text = RULES.read_text()
-    assert text.count("> 0.05\n") == 1
+    assert text.count("> 0.05\n") == 2
     (tmp_path / RULES.name).write_text(text.replace("> 0.05\n", "> 0.5\n"))
     shutil.copy(RULE_TESTS, tmp_path / RULE_TESTS.name)
     res = _promtool("test", "rules", RULE_TESTS.name, cwd=tmp_path)
     assert res.returncode == 1
     assert "KvscopeRemoteReadFailureRatioHigh" in res.stdout + res.stderr
+    assert "KvscopeRemoteOperationsFailing" in res.stdout + res.stderr
 
 
 def test_every_alert_is_annotated_and_has_a_runbook() -> None:

@@ -3,13 +3,18 @@ the partition and the accounting identity hold under every fault."""
 
 from __future__ import annotations
 
+import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
+from agent.exporters.prometheus import PrometheusExporter
+from agent.schema import REMOTE_OP_OUTCOMES, REMOTE_OPS
 from agent.telemetry import Recorder, check_partition
 from instrumented_engine.engine import LLMEngine
 from instrumented_engine.tier_flow import TierConfig
@@ -17,6 +22,7 @@ from instrumented_engine.tiers import BreakerConfig, ResilienceConfig, parse_fau
 from instrumented_engine.tiers.file_store import FileStore
 from instrumented_engine.workloads import DocQAConfig, docqa
 from instrumented_engine.workloads.base import Arrival
+from tests.conftest import require_binary
 from tests.instrumented_engine.helpers import tiny_config, tokens
 from tests.instrumented_engine.tiers.conftest import RedisServer, redis_server  # noqa: F401
 
@@ -346,3 +352,50 @@ def test_partition_and_identity_hold_under_every_fault(
         assert _total(rows, "remote_hit_tokens") == 0  # every lookup failed
         assert "circuit_open" in events
     assert eng.stats.finished == len(cache_off)
+
+
+def test_failing_remote_lookups_reach_the_exposition_as_operations(
+        warm_dir: Path, cache_off: dict[str, list[int]]) -> None:
+    """Failed lookups promise nothing, so no load-failed token counts them: only
+    kvscope_remote_operations_total shows that the engine keeps recomputing."""
+    rec = Recorder()
+    tiers = TierConfig(remote=f"file://{warm_dir}",
+                       faults=parse_faults(["remote-error-rate=1"], seed=3),
+                       resilience=ResilienceConfig(retries=0, breaker=BreakerConfig(
+                           failure_threshold=1000)))
+    eng = _engine(tiers, rec=rec)
+    assert eng.flow is not None and eng.flow.remote is not None
+    remote, model = eng.flow.remote, eng.flow.model
+    prom = PrometheusExporter(rec, model=model)
+    for a in _arrivals():
+        eng.add_request(a.prompt_token_ids, a.max_tokens, tenant=a.tenant,
+                        request_id=a.request_id)
+    outs = {o.request_id: o.output_token_ids for o in eng.run_until_done()}
+    eng.close()
+    assert outs == cache_off
+    tables = rec.drain()
+    prom.export(tables)
+    text = generate_latest(prom.registry)
+
+    got = {}
+    for fam in text_string_to_metric_families(text.decode()):
+        for smp in fam.samples:
+            if smp.name == "kvscope_remote_operations_total":
+                got[(smp.labels["model"], smp.labels["op"], smp.labels["outcome"])] = smp.value
+                assert set(smp.labels) == {"model", "op", "outcome"}
+    counts = remote.stats.outcome_counts()
+    # Every possible (op, outcome), zeros included; only reads can fail a checksum.
+    assert got == {(model, op, o): counts.get((op, o), 0) for op in REMOTE_OPS
+                   for o in REMOTE_OP_OUTCOMES if o != "checksum" or op == "read"}
+    assert len(got) == 13
+    # Every lookup and write failed (the breaker never opened), nothing was promised or read.
+    assert set(counts) == {("lookup", "error"), ("write", "error")}
+    assert counts[("lookup", "error")] == remote.stats.get("lookup_failed_error") > 0
+    assert counts[("write", "error")] == remote.stats.get("write_failed_error") > 0
+    rows = _rows(tables)
+    assert _total(rows, "remote_hit_tokens") == _total(rows, "load_failed_tokens") == 0
+
+    promtool = require_binary("promtool")
+    proc = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
+                          timeout=30, check=False)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, b"", b"")

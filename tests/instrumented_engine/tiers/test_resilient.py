@@ -168,3 +168,32 @@ def test_prefetch_timeout_holds_slots_until_late_read_ends(layout: BlockLayout,
     assert done.wait(10)
     assert host.lookup(hs, 0) == 0 and host.put(chain(1, seed=5)[0], payload(layout, 9)) == []
     remote.close()
+
+
+def test_each_operation_counts_once_by_outcome(layout: BlockLayout, tmp_path: Path) -> None:
+    store, hs = _filled(tmp_path, layout, 2)
+    ok = ResilientRemote(store, layout)
+    assert ok.lookup(hs, 0) == 2
+    assert ok.read_into(hs, NS, _dests(layout, 2)).loaded == 2
+    # A promised object that is gone is not a backend failure: the read is `ok`.
+    assert ok.read_into([b"\x01" * 32], NS, _dests(layout, 1)).statuses == ["evicted"]
+    assert ok.write(hs[0], NS, payload(layout, 0)) is None
+    assert ok.stats.outcome_counts() == {("lookup", "ok"): 1, ("read", "ok"): 2,
+                                         ("write", "ok"): 1}
+    ok.close()
+
+    corrupt = ResilientRemote(FaultyRemote(store, FaultSpec(corrupt_rate=1.0)), layout)
+    assert corrupt.read_into(hs, NS, _dests(layout, 2)).statuses == ["checksum", "checksum"]
+    assert corrupt.stats.outcome_counts() == {("read", "checksum"): 1}
+    corrupt.close()
+
+    # Two failed operations (three attempts each) open the breaker; the third is refused.
+    failing = ResilientRemote(FaultyRemote(store, FaultSpec(error_rate=1.0)), layout,
+                              ResilienceConfig(retries=2, breaker=BreakerConfig(2, 60.0)))
+    assert failing.lookup(hs, 0) == 0
+    assert failing.read_into(hs, NS, _dests(layout, 2)).statuses == ["error", "error"]
+    assert failing.write(hs[0], NS, payload(layout, 0)) == "circuit_open"
+    assert failing.stats.outcome_counts() == {("lookup", "error"): 1, ("read", "error"): 1,
+                                              ("write", "circuit_open"): 1}
+    assert failing.stats.failures == {"error": 6, "circuit_open": 1}
+    failing.close()
