@@ -144,8 +144,9 @@ class OtherRecords:
             self._error()
 
     def push_phase(self, phase: str, step_id: int) -> None:
-        """NVTX push for a nested step phase (pair with `pop_phase`)."""
-        if self.nvtx is not None:
+        """NVTX push for a nested step phase (pair with `pop_phase`). Like the stage ranges,
+        skipped when no NVTX tool is attached (the domain is nvtx's no-op dummy)."""
+        if self.nvtx is not None and self.nvtx.real:
             try:
                 self.nvtx.push(phase, step_id)
             except Exception:
@@ -153,7 +154,7 @@ class OtherRecords:
 
     def pop_phase(self) -> None:
         """NVTX pop of the innermost step phase."""
-        if self.nvtx is not None:
+        if self.nvtx is not None and self.nvtx.real:
             try:
                 self.nvtx.pop()
             except Exception:
