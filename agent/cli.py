@@ -1,14 +1,13 @@
 """The `kvscope` command line.
 
 Subcommands live in `agent.commands.<name>` as light modules (typer only at import time);
-each imports its heavy dependencies inside the command body. A subcommand whose module is not
-installed in this tree is simply absent from `--help`.
+each imports its heavy dependencies inside the command body, so `kvscope agent` loads neither
+torch nor pandas.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import sys
 from typing import Any
 
@@ -26,7 +25,6 @@ _COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("agent", "agent.commands.agent", "agent"),
     ("rules", "agent.commands.rules", "app"),
     ("dashboard", "agent.commands.dashboard", "dashboard"),
-    ("demo", "agent.commands.demo", "demo"),
     ("version", "agent.commands.version", "version"),
 )
 
@@ -51,8 +49,6 @@ def _root() -> None:
 
 def _register() -> None:
     for name, module, attr in _COMMANDS:
-        if importlib.util.find_spec(module) is None:
-            continue
         obj = getattr(importlib.import_module(module), attr)
         if isinstance(obj, typer.Typer):
             app.add_typer(obj, name=name)
