@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+from abc import ABC, abstractmethod
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -209,7 +210,7 @@ class Emitter:
         self.out.events.append(Event(self.ts, self.source, name, detail))
 
 
-class BaseCollector:
+class BaseCollector(ABC):
     """The interface the runner drives.
 
     Attributes:
@@ -226,11 +227,11 @@ class BaseCollector:
         self.available = True
         self.unavailable_reason: str | None = None
 
+    @abstractmethod
     def collect(self) -> Collection:
         """Read the hardware once. May raise; the runner counts the failure and carries on."""
-        raise NotImplementedError
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook: most collectors hold no handles
         """Release handles (NVML, event sets)."""
 
 
