@@ -1,12 +1,15 @@
 """The engine: requests in, one batched step at a time, finished requests out.
 
     arrival thread:  make_request → lookup (hash blocks, probe tiers) → submit ─┐ inbox
+                     (submit: remote hits start loading at once)                │
     engine loop:     step(): take arrivals → schedule → prepare → forward → sample → update
 
-`lookup` may run on any thread (it only hashes and reads the pool's index), so a real-time
-driver performs it at the request's arrival while a step runs; everything else, including every
-recorder call, happens on the engine loop's thread. With `recorder=None` nothing is recorded
-and each hook costs one branch.
+`lookup` and `submit` may run on any thread (they hash, read the pools' indexes and, for a
+request with remote hits, open it in the recorder and hand its reads to the prefetch workers), so
+a real-time driver performs them at the request's arrival while a step runs, and a remote load
+overlaps the request's wait for the engine loop and for admission (hidden load time). Every
+request state transition happens on the engine loop's thread. With `recorder=None` nothing is
+recorded and each hook costs one branch.
 """
 
 from __future__ import annotations
@@ -91,7 +94,7 @@ class LLMEngine:
         self._ns_cache: dict[str | None, bytes] = {}
         self._ids = itertools.count()
         self._nums = itertools.count()
-        self._inbox: deque[tuple[Request, dict[str, int]]] = deque()
+        self._inbox: deque[tuple[Request, dict[str, int], bool]] = deque()
         self._wake = threading.Event()
 
     # ------------------------------------------------------------------ arrivals
@@ -162,9 +165,29 @@ class LLMEngine:
         return promised
 
     def submit(self, req: Request, promised: dict[str, int]) -> None:
-        """Hand a looked-up request to the engine loop. Safe on any thread."""
-        self._inbox.append((req, promised))
+        """Hand a looked-up request to the engine loop. Safe on any thread.
+
+        A request with promised remote hits is numbered (opened in the recorder, in `lookup`)
+        and starts loading them here, not when the engine loop takes it: a step may be running,
+        and the load overlaps that wait too (hidden load time).
+        """
+        early = self._prefetch_at_submit(promised)
+        if early:
+            tel, flow = self.tel, self.flow
+            assert flow is not None
+            req.request_num = tel.begin(req) if tel else next(self._nums)
+            flow.arrival(req, promised)
+        self._inbox.append((req, promised, early))
         self._wake.set()
+
+    def _prefetch_at_submit(self, promised: dict[str, int]) -> bool:
+        # NOTE: thread-bound annotators (the torch profiler's ranges under --profile) would lose
+        # the `lookup` range of a request opened off the engine loop: with them, the request is
+        # opened and its prefetch started when the loop takes it, like every other request.
+        flow = self.flow
+        if flow is None or not flow.prefetches(promised):
+            return False
+        return self.recorder is None or not self.recorder.annotators
 
     def add_request(self, prompt_token_ids: Sequence[int], max_tokens: int = 16,
                     sampling: SamplingParams | None = None, *, tenant: str | None = None,
@@ -181,10 +204,14 @@ class LLMEngine:
         tel = self.tel
         inbox = self._inbox
         while inbox:
-            req, promised = inbox.popleft()
-            req.request_num = tel.arrival(req, promised) if tel else next(self._nums)
-            if self.flow is not None:
-                self.flow.arrival(req, promised)
+            req, promised, early = inbox.popleft()
+            if early:  # numbered, and its prefetch started, by `submit`
+                if tel:
+                    tel.arrival(req, promised, req.request_num)
+            else:
+                req.request_num = tel.arrival(req, promised) if tel else next(self._nums)
+                if self.flow is not None:
+                    self.flow.arrival(req, promised)
             self.scheduler.add(req)
 
     def wake(self) -> None:

@@ -1,9 +1,10 @@
 """Drives an engine with real-time arrivals (what `kvscope run` runs).
 
 An arrival thread sleeps until each request's time, performs its lookup (hashing and tier
-probes: the request's `lookup` stage, off the engine loop) and submits it; the calling thread
+probes: the request's `lookup` stage, off the engine loop) and submits it, which opens the
+request in the recorder and starts the prefetch of its remote hits at once; the calling thread
 runs the engine loop, stepping while there is work and blocking on the inbox when idle. Every
-recorder call stays on the engine loop's thread.
+request state transition stays on the engine loop's thread.
 """
 
 from __future__ import annotations

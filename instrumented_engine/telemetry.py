@@ -55,15 +55,22 @@ class EngineTelemetry:
         self._phase_ranges: list[int] = []
 
     # ------------------------------------------------------------------ requests
-    def arrival(self, req: Request, promised: dict[str, int]) -> int:
-        """Open the request at its arrival: `lookup` until its lookup finished, then `queue`.
+    def begin(self, req: Request) -> int:
+        """Open the request in `lookup` at its arrival; returns its `request_num`. Any thread
+        (the recorder allows `request_begin` off the engine loop), so the arrival thread can
+        number a request before the tiers start loading for it."""
+        return self.rec.request_begin(req.request_id, req.arrival_ns, state="lookup",
+                                      tenant=req.tenant, workload_class=req.workload_class)
 
-        Both times were taken by the arrival thread; the recorder is only touched here, on the
-        engine loop's thread.
+    def arrival(self, req: Request, promised: dict[str, int],
+                request_num: int | None = None) -> int:
+        """(Engine loop) `queue` from the end of the request's lookup, and its lookup spans;
+        opens the request first unless `begin` already did (`request_num`).
+
+        Both times were taken by the arrival thread.
         """
         rec = self.rec
-        rn = rec.request_begin(req.request_id, req.arrival_ns, state="lookup",
-                               tenant=req.tenant, workload_class=req.workload_class)
+        rn = self.begin(req) if request_num is None else request_num
         rec.stage(rn, QUEUE, req.lookup_done_ns)
         req.state = QUEUE
         rec.activity("lookup", req.arrival_ns, req.lookup_done_ns, request_num=rn,

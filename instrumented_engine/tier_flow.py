@@ -1,8 +1,9 @@
 """The host and remote tiers in the engine's request flow (DESIGN.md section 2, the tiers issue).
 
-    arrival (any thread)   lookup device → host → remote along the chain: promised hits
-    take arrival (loop)    remote hits start a prefetch into host staging (hidden load time
-                           while the request waits in `queue`; a `remote_read` activity span)
+    arrival (any thread)   lookup device → host → remote along the chain: promised hits;
+                           remote hits start their prefetch into host staging at once
+                           (instrumented_engine.tier_prefetch: hidden load time while the
+                           request waits in `queue`; a `remote_read` activity span)
     admission (scheduler)  `remote_read` state while the prefetch is still running; then the
                            longest contiguous prefix found in staging is re-validated (acquired)
                            and copied into the request's fresh device blocks: `h2d` state
@@ -15,15 +16,13 @@ remote timeout, error, checksum, open breaker) is recomputed and counted in
 `load_failed_<reason>_tokens`. Tokens of a promise that are unusable because an earlier block
 of the chain failed are counted under that earlier block's reason (the chain broke there).
 
-Every recorder call here happens on the engine loop's thread, except the activity spans the
-tier backends record from their worker threads (the recorder accepts those from any thread).
+Request states are recorded on the engine loop's thread only. Off it: `arrival` (the submitting
+thread; it records nothing itself) and the activity spans the tier backends record from their
+worker threads (the recorder accepts those from any thread).
 """
 
 from __future__ import annotations
 
-import logging
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,116 +31,31 @@ from agent.schema import LOAD_FAIL_REASONS, REMOTE_OP_OUTCOMES, REMOTE_OPS, STAT
 from instrumented_engine.core.block_hash import BlockHash
 from instrumented_engine.core.request import Request
 from instrumented_engine.h2d import H2DCopier, H2DCopy
+from instrumented_engine.tier_prefetch import HOST_WRITES, Plan, Prefetcher, TierConfig
 from instrumented_engine.tiers import (
     BlockLayout,
-    FaultSpec,
     FaultyRemote,
     HostKVPool,
     HostPoolFull,
-    ReadResult,
     RemoteStore,
-    ResilienceConfig,
     ResilientRemote,
     WriteBehind,
     gather_block,
     open_remote,
-    prefetch_into_host,
 )
 
-log = logging.getLogger(__name__)
+__all__ = ["HOST_WRITES", "TierConfig", "TierFlow"]
 
 QUEUE = STATE_CODE["queue"]
 REMOTE_READ = STATE_CODE["remote_read"]
 H2D = STATE_CODE["h2d"]
 SYNC = STATE_CODE["sync"]
 PREFILL = STATE_CODE["prefill"]
-HOST_WRITES = ("evict", "through")
 _POOL_STATES = ("in_use", "cached_free", "empty")
 REMOTE_OPS_TOTAL = "kvscope_remote_operations_total"
 #: Its (op, outcome) series: only reads check objects, so only they can end in `checksum`.
 REMOTE_OP_SERIES = tuple((op, o) for op in REMOTE_OPS for o in REMOTE_OP_OUTCOMES
                          if o != "checksum" or op == "read")
-
-
-@dataclass(slots=True, frozen=True)
-class TierConfig:
-    """The tiers beyond the device pool.
-
-    Attributes:
-        host_blocks: host tier size in blocks (0: no host tier).
-        remote: `file://DIR` or `redis://HOST:PORT/DB` (None: no remote tier).
-        host_write: how blocks reach the host tier: `evict` (device evictions are saved) or
-            `through` (every new full block is written behind).
-        staging_blocks: host staging for remote reads when there is no host tier (>= 1).
-        writeback_capacity: write-behind queue bound in blocks (>= 1; when full: skip, count).
-        resilience: remote timeouts, retries, breaker.
-        faults: injected remote faults (off by default).
-        prefetch_workers: threads running prefetches (>= 1).
-    """
-
-    host_blocks: int = 0
-    remote: str | None = None
-    host_write: str = "evict"
-    staging_blocks: int = 256
-    writeback_capacity: int = 256
-    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
-    faults: FaultSpec = field(default_factory=FaultSpec)
-    prefetch_workers: int = 2
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.host_blocks, int) or self.host_blocks < 0:
-            raise ValueError(f"tiers.host_blocks: must be an int >= 0, got {self.host_blocks!r}")
-        if self.host_write not in HOST_WRITES:
-            raise ValueError(f"tiers.host_write: expected one of {', '.join(HOST_WRITES)}, "
-                             f"got {self.host_write!r}")
-        for name in ("staging_blocks", "writeback_capacity", "prefetch_workers"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"tiers.{name}: must be an int >= 1, got {v!r}")
-
-    @property
-    def active(self) -> bool:
-        return self.host_blocks > 0 or self.remote is not None
-
-
-@dataclass(slots=True)
-class _Read:
-    """One prefetch (a `remote_read` transfer) of some blocks into staging."""
-
-    future: Future[ReadResult]
-    transfer_id: int
-    hashes: list[BlockHash]
-    request_num: int
-
-
-@dataclass(slots=True)
-class _Plan:
-    """One request's tier state, from arrival to its first token."""
-
-    promised_dev: int  # blocks
-    promised_host: int
-    promised_remote: int
-    #: the reads this request waits for: its own and batch-mates' already in flight
-    reads: list[_Read] = field(default_factory=list)
-    statuses: list[str | None] | None = None  # per remote-promised block, once read
-    remote_nbytes: int = 0
-    staged_blocks: int = 0
-    views: list[BlockHash] = field(default_factory=list)  # acquired staging digests
-    payloads: list[torch.Tensor] = field(default_factory=list)  # their slots
-    copy: H2DCopy | None = None
-    h2d_transfer: int = -1
-    layer_load_ns: list[int] = field(default_factory=list)
-    layer_wait_ns: list[int] = field(default_factory=list)
-    stored: int = 0  # blocks handed to the write-behind queue (chain index)
-    waited: bool = False  # left `queue` for `remote_read` in this admission attempt
-
-    @property
-    def remote_lo(self) -> int:
-        return self.promised_dev + self.promised_host
-
-    @property
-    def remote_hi(self) -> int:
-        return self.remote_lo + self.promised_remote
 
 
 class TierFlow:
@@ -185,11 +99,12 @@ class TierFlow:
         if through or self.remote is not None:
             self.writer = WriteBehind(self.host if through else None, self.remote,
                                       capacity=config.writeback_capacity)
-        self._pool = (ThreadPoolExecutor(config.prefetch_workers,
-                                         thread_name_prefix="kvscope-prefetch")
-                      if self.remote is not None else None)
+        self.prefetcher: Prefetcher | None = None
+        if self.remote is not None:
+            assert self.staging is not None
+            self.prefetcher = Prefetcher(self.remote, self.staging, config.prefetch_workers,
+                                         recorder=recorder)
         self.copier = H2DCopier(kv_caches, clock=clock)
-        self._inflight: dict[BlockHash, _Read] = {}  # engine loop only
         self._closed = False
         self.offloaded = 0
         self.offload_skipped = 0
@@ -214,36 +129,19 @@ class TierFlow:
         req.state = state
 
     # ------------------------------------------------------------------ arrival
+    def prefetches(self, promised: dict[str, int]) -> bool:
+        """Whether `arrival` would start a remote prefetch for this promise."""
+        return self.prefetcher is not None and promised.get("remote", 0) >= self.bs
+
     def arrival(self, req: Request, promised: dict[str, int]) -> None:
-        """(Engine loop) remember the promise; start the prefetch of remote hits."""
+        """(Any thread: the submitting one, once the request has its `request_num`) remember
+        the promise and start the prefetch of its remote hits. Records no request state."""
         bs = self.bs
-        plan = _Plan(promised.get("device", 0) // bs, promised.get("host", 0) // bs,
-                     promised.get("remote", 0) // bs)
+        plan = Plan(promised.get("device", 0) // bs, promised.get("host", 0) // bs,
+                    promised.get("remote", 0) // bs)
         req.tier = plan
-        if not plan.promised_remote or self._pool is None:
-            return
-        assert self.remote is not None and self.staging is not None
-        inflight = self._inflight
-        for h in [h for h, r in inflight.items() if r.future.done()]:
-            del inflight[h]
-        # NOTE: a block another request is already reading is not read twice (two reads of
-        # one digest would race for its staging slot): this request waits for that read too.
-        own: list[BlockHash] = []
-        for h in req.block_hashes[plan.remote_lo:plan.remote_hi]:
-            r = inflight.get(h)
-            if r is None:
-                own.append(h)
-            elif r not in plan.reads:
-                plan.reads.append(r)
-        if own:
-            tid = self._tid()
-            fut = self._pool.submit(prefetch_into_host, self.remote, self.staging, own,
-                                    req.namespace, transfer_id=tid,
-                                    request_num=req.request_num)
-            read = _Read(fut, tid, own, req.request_num)
-            plan.reads.append(read)
-            for h in own:
-                inflight[h] = read
+        if plan.promised_remote and self.prefetcher is not None:
+            self.prefetcher.start(req, plan)
 
     # ------------------------------------------------------------------ admission
     def prepare(self, req: Request, num_hit_blocks: int) -> int:
@@ -253,7 +151,7 @@ class TierFlow:
         contiguous run of blocks in staging: they stay acquired until `admitted` copied them or
         `cancel` gave them back.
         """
-        plan: _Plan | None = req.tier
+        plan: Plan | None = req.tier
         if plan is None or self.staging is None:
             return 0
         self._finish_prefetch(req, plan)
@@ -267,36 +165,22 @@ class TierFlow:
             plan.payloads.append(view)
         return len(plan.views)
 
-    def _finish_prefetch(self, req: Request, plan: _Plan) -> None:
+    def _finish_prefetch(self, req: Request, plan: Plan) -> None:
         if not plan.reads:
             return
-        if not all(r.future.done() for r in plan.reads):
+        if Prefetcher.pending(plan):
             plan.waited = True
             self._stage(req, REMOTE_READ, self.clock())
             if self.rec is not None and not req.has_first_token:
                 for r in plan.reads:
                     self.rec.wait_for(req.request_num, r.transfer_id)
-        status: dict[BlockHash, str | None] = {}
-        for r in plan.reads:
-            try:
-                res = r.future.result()
-                sts = res.statuses
-                if r.request_num == req.request_num:
-                    plan.remote_nbytes += res.nbytes
-                    plan.staged_blocks += res.loaded
-            except Exception:  # a bug below us: recompute rather than fail the request
-                log.exception("prefetch failed unexpectedly")
-                sts = ["error"] * len(r.hashes)
-            status.update(zip(r.hashes, sts, strict=True))
-        hashes = req.block_hashes[plan.remote_lo:plan.remote_hi]
-        plan.statuses = [status.get(h, "error") for h in hashes]
-        plan.reads = []
+        Prefetcher.settle(req, plan)
         if req.state == REMOTE_READ:
             self._stage(req, QUEUE, self.clock())
 
     def cancel(self, req: Request) -> None:
         """(Scheduler) the request was not admitted after `prepare`: release its blocks."""
-        plan: _Plan | None = req.tier
+        plan: Plan | None = req.tier
         if plan is None or self.staging is None:
             return
         plan.waited = False
@@ -308,7 +192,7 @@ class TierFlow:
     def admitted(self, req: Request, num_hit_blocks: int) -> None:
         """(Scheduler, after allocation) copy the prepared blocks into the request's fresh
         device blocks (its `h2d` state) and settle its accounting for this admission."""
-        plan: _Plan | None = req.tier
+        plan: Plan | None = req.tier
         if plan is None:
             return
         n = len(plan.views)
@@ -325,7 +209,7 @@ class TierFlow:
             self._account(req, plan, num_hit_blocks, n)
         plan.stored = max(plan.stored, num_hit_blocks + n)
 
-    def _copy(self, req: Request, plan: _Plan, dest: list[int]) -> None:
+    def _copy(self, req: Request, plan: Plan, dest: list[int]) -> None:
         assert self.staging is not None
         t0 = self.clock()
         self._stage(req, H2D, t0)
@@ -345,7 +229,7 @@ class TierFlow:
         else:
             self._copied(plan, copy)
 
-    def _copied(self, plan: _Plan, copy: H2DCopy) -> None:
+    def _copied(self, plan: Plan, copy: H2DCopy) -> None:
         assert self.staging is not None
         for h in plan.views:
             self.staging.release(h)
@@ -355,7 +239,7 @@ class TierFlow:
         plan.layer_wait_ns = copy.wait_ns
         plan.copy = None
 
-    def _account(self, req: Request, plan: _Plan, hit: int, n: int) -> None:
+    def _account(self, req: Request, plan: Plan, hit: int, n: int) -> None:
         """Assign (not add: each admission before the first token starts over) the request's
         loaded, failed and byte counts."""
         a = req.acct
@@ -389,7 +273,7 @@ class TierFlow:
     def before_forward(self, reqs: list[Request]) -> None:
         """(Engine, before the forward) the `sync` wait for copies still in flight."""
         for req in reqs:
-            plan: _Plan | None = req.tier
+            plan: Plan | None = req.tier
             if plan is None or plan.copy is None:
                 continue
             self._stage(req, SYNC, self.clock())
@@ -408,7 +292,7 @@ class TierFlow:
             return
         pb, ob = self.layout.payload_bytes, self.layout.object_bytes
         for req, n in zip(reqs, num_new, strict=True):
-            plan: _Plan | None = req.tier
+            plan: Plan | None = req.tier
             if plan is None:
                 continue
             full = min((req.num_computed_tokens + n) // self.bs, len(req.block_hashes),
@@ -494,14 +378,14 @@ class TierFlow:
 
     def layer_times(self, req: Request, layer: int) -> tuple[int, int]:
         """(load_ns, wait_ns) of `layer` for the request's latest copy (0, 0 without one)."""
-        plan: _Plan | None = req.tier
+        plan: Plan | None = req.tier
         if plan is None or layer >= len(plan.layer_load_ns):
             return 0, 0
         return plan.layer_load_ns[layer], plan.layer_wait_ns[layer]
 
     def release(self, req: Request) -> None:
         """(Engine) the request ended: give back whatever it still holds."""
-        plan: _Plan | None = req.tier
+        plan: Plan | None = req.tier
         if plan is None:
             return
         if plan.copy is not None:
@@ -524,7 +408,7 @@ class TierFlow:
             self.writer.close()
         self._publish_remote_ops()  # the writes the close just flushed
         self._record_stats()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        if self.prefetcher is not None:
+            self.prefetcher.close()
         if self.remote is not None:
             self.remote.close()
