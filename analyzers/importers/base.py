@@ -323,6 +323,53 @@ def sweep_partition(
     )
 
 
+def requests_from_stage_ranges(run: ImportedRun, req: np.ndarray, stage: np.ndarray,
+                               start_ns: np.ndarray, end_ns: np.ndarray, ids: np.ndarray,
+                               nums: np.ndarray, what: str) -> pd.DataFrame:
+    """Stage ranges of profiled requests (kvscope NVTX or `kvscope.<stage>` annotations) →
+    `run.requests` and the requests' state spans.
+
+    TTFT ranges are partitioned per request by the sweep line (they may overlap or leave holes:
+    `other`); arrival and first token are the hull of a request's TTFT ranges; `decode` ranges
+    are kept as they are and extend `finish_ns`.
+
+    Args:
+        run: the import; its `requests`, `partition_derived`, `derived` and `can` are set.
+        req: each range's request index into `ids`/`nums`.
+        stage, start_ns, end_ns: the ranges (epoch ns).
+        ids, nums: per request, its id and `request_num`.
+        what: how the ranges are described in the `derived` note.
+    Returns:
+        The state spans frame.
+    """
+    n_req = len(ids)
+    arrival, first = ttft_window(req, stage, start_ns, end_ns, n_req)
+    ttft_m = np.isin(stage, np.array(TTFT_STAGES, dtype=object))
+    part = sweep_partition(req[ttft_m], stage[ttft_m], start_ns[ttft_m], end_ns[ttft_m],
+                           arrival, first)
+    dec = np.flatnonzero(~ttft_m)
+    finish = first.copy()
+    np.maximum.at(finish, req[dec], end_ns[dec])
+    has = first > arrival
+    run.requests = requests_frame({
+        "request_id": ids, "request_num": nums, "arrival_ns": arrival,
+        "first_token_ns": [int(f) if h else None for f, h in zip(first, has, strict=True)],
+        "finish_ns": finish, "status": ["ok"] * n_req}, n_req)
+    run.partition_derived = True
+    run.derived.append(
+        f"TTFT partition of {n_req} request(s) from {len(stage)} {what} by sweep line "
+        f"(priority {' > '.join(STAGE_PRIORITY[:-1])}); {part.overlap_ns} ns of overlap "
+        f"resolved, {part.other_ns} ns uncovered → other; arrival/first token = hull of the "
+        "request's stage ranges")
+    run.can.append(f"TTFT stages for {n_req} request(s)")
+    rows = np.r_[part.req, req[dec]]
+    n = len(rows)
+    return spans_frame({
+        "request_id": ids[rows], "request_num": nums[rows], "kind": ["state"] * n,
+        "name": np.r_[part.stage, stage[dec]], "start_ns": np.r_[part.start_ns, start_ns[dec]],
+        "end_ns": np.r_[part.end_ns, end_ns[dec]], "clock": ["cpu"] * n}, n)
+
+
 def ttft_window(req: np.ndarray, stage: np.ndarray, start_ns: np.ndarray, end_ns: np.ndarray,
                 n_req: int) -> tuple[np.ndarray, np.ndarray]:
     """Each request's [arrival, first_token] as the hull of its TTFT-stage ranges.

@@ -27,16 +27,14 @@ from typing import Any
 import numpy as np
 
 from agent.errors import InputError
-from agent.schema import STATES, STEP_PHASES, TTFT_STAGES
+from agent.schema import STATES, STEP_PHASES
 from analyzers.importers.base import (
     ImportedRun,
     concat_spans,
     parse_json,
     read_bytes,
-    requests_frame,
+    requests_from_stage_ranges,
     spans_frame,
-    sweep_partition,
-    ttft_window,
     us_to_ns,
 )
 
@@ -232,32 +230,8 @@ def _annotations(run: ImportedRun, ann: list[dict[str, Any]], times: Any,
         nums = _nums(uniq)
         rid = np.array([ids.get(int(n), u) for n, u in zip(nums, uniq, strict=True)],
                        dtype=object) if ids else uniq
-        stage, s, e = names[st], start[st], end[st]
-        arrival, first = ttft_window(req, stage, s, e, len(uniq))
-        ttft_m = np.isin(stage, np.array(TTFT_STAGES, dtype=object))
-        part = sweep_partition(req[ttft_m], stage[ttft_m], s[ttft_m], e[ttft_m], arrival, first)
-        dec = np.flatnonzero(~ttft_m)
-        rows = np.r_[part.req, req[dec]]
-        frames.append(spans_frame({
-            "request_id": rid[rows], "request_num": nums[rows],
-            "kind": ["state"] * len(rows),
-            "name": np.r_[part.stage, stage[dec]],
-            "start_ns": np.r_[part.start_ns, s[dec]], "end_ns": np.r_[part.end_ns, e[dec]],
-            "clock": ["cpu"] * len(rows)}, len(rows)))
-        finish = first.copy()
-        np.maximum.at(finish, req[dec], e[dec])
-        has = first > arrival
-        run.requests = requests_frame({
-            "request_id": rid, "request_num": nums, "arrival_ns": arrival,
-            "first_token_ns": [int(f) if h else None for f, h in zip(first, has, strict=True)],
-            "finish_ns": finish, "status": ["ok"] * len(uniq)}, len(uniq))
-        run.partition_derived = True
-        run.derived.append(
-            f"TTFT partition of {len(uniq)} request(s) from {len(st)} `{PREFIX}<stage>` ranges "
-            f"by sweep line (priority prefill > sync > h2d > queue > remote_read > lookup); "
-            f"{part.overlap_ns} ns of overlap resolved, {part.other_ns} ns uncovered → other; "
-            "arrival/first token = hull of the request's stage ranges")
-        run.can.append(f"TTFT stages for {len(uniq)} request(s)")
+        frames.append(requests_from_stage_ranges(
+            run, req, names[st], start[st], end[st], rid, nums, f"`{PREFIX}<stage>` ranges"))
         if ids:
             run.derived.append("request ids: request_num → request_id from the run store "
                                "beside the trace")

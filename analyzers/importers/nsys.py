@@ -24,14 +24,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from agent.errors import InputError
-from agent.schema import STATES, STEP_PHASES, TTFT_STAGES
+from agent.schema import STATES, STEP_PHASES
 from analyzers.importers.base import (
     ImportedRun,
     concat_spans,
-    requests_frame,
+    requests_from_stage_ranges,
     spans_frame,
-    sweep_partition,
-    ttft_window,
 )
 
 if TYPE_CHECKING:
@@ -223,33 +221,11 @@ def _nvtx(con: sqlite3.Connection, tables: set[str], strings: dict[int, str], ep
 
 def _states(state: pd.DataFrame, epoch: int, run: ImportedRun) -> pd.DataFrame:
     nums, req = np.unique(state["payload"].to_numpy(np.int64), return_inverse=True)
-    stage = state["name"].to_numpy(object)
-    s = state["start"].to_numpy(np.int64) + epoch
-    e = state["end"].to_numpy(np.int64) + epoch
-    arrival, first = ttft_window(req, stage, s, e, len(nums))
-    ttft_m = np.isin(stage, np.array(TTFT_STAGES, dtype=object))
-    part = sweep_partition(req[ttft_m], stage[ttft_m], s[ttft_m], e[ttft_m], arrival, first)
-    dec = np.flatnonzero(~ttft_m)
     ids = np.array([str(n) for n in nums], dtype=object)
-    finish = first.copy()
-    np.maximum.at(finish, req[dec], e[dec])
-    has = first > arrival
-    run.requests = requests_frame({
-        "request_id": ids, "request_num": nums, "arrival_ns": arrival,
-        "first_token_ns": [int(f) if h else None for f, h in zip(first, has, strict=True)],
-        "finish_ns": finish, "status": ["ok"] * len(nums)}, len(nums))
-    run.partition_derived = True
-    run.derived.append(
-        f"TTFT partition of {len(nums)} request(s) from {len(state)} kvscope NVTX ranges by "
-        f"sweep line; {part.overlap_ns} ns of overlap resolved, {part.other_ns} ns uncovered → "
-        "other; arrival/first token = hull of the request's stage ranges")
-    run.can.append(f"TTFT stages for {len(nums)} request(s) (payload = request_num)")
-    r = np.r_[part.req, req[dec]]
-    n = len(r)
-    return spans_frame({
-        "request_id": ids[r], "request_num": nums[r], "kind": ["state"] * n,
-        "name": np.r_[part.stage, stage[dec]], "start_ns": np.r_[part.start_ns, s[dec]],
-        "end_ns": np.r_[part.end_ns, e[dec]], "clock": ["cpu"] * n}, n)
+    return requests_from_stage_ranges(
+        run, req, state["name"].to_numpy(object), state["start"].to_numpy(np.int64) + epoch,
+        state["end"].to_numpy(np.int64) + epoch, ids, nums,
+        "kvscope NVTX ranges (payload = request_num)")
 
 
 def _memcpy(con: sqlite3.Connection, tables: set[str], epoch: int, run: ImportedRun) -> None:
