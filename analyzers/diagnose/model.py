@@ -172,21 +172,15 @@ class DiagnoseConfig:
         if self.storm_window_ns is not None and self.storm_window_ns <= 0:
             raise ValueError(f"DiagnoseConfig.storm_window_ns: expected > 0 ns or None, got "
                              f"{self.storm_window_ns}")
-        if not self.storm_factor > 1.0:
-            raise ValueError(f"DiagnoseConfig.storm_factor: expected > 1, got "
-                             f"{self.storm_factor}")
-        if self.storm_min_windows < 2:
-            raise ValueError(f"DiagnoseConfig.storm_min_windows: expected >= 2, got "
-                             f"{self.storm_min_windows}")
-        if self.h2d_min_bytes < 1:
-            raise ValueError(f"DiagnoseConfig.h2d_min_bytes: expected >= 1, got "
-                             f"{self.h2d_min_bytes}")
-        if not self.nic_imbalance_ratio > 1.0:
-            raise ValueError(f"DiagnoseConfig.nic_imbalance_ratio: expected > 1, got "
-                             f"{self.nic_imbalance_ratio}")
-        if self.nic_min_bytes_per_s < 0:
-            raise ValueError(f"DiagnoseConfig.nic_min_bytes_per_s: expected >= 0, got "
-                             f"{self.nic_min_bytes_per_s}")
+        # (field, lower bound, strict): each must be > (strict) or >= the bound.
+        for name, low, strict in (("storm_factor", 1.0, True), ("storm_min_windows", 2, False),
+                                  ("h2d_min_bytes", 1, False),
+                                  ("nic_imbalance_ratio", 1.0, True),
+                                  ("nic_min_bytes_per_s", 0, False)):
+            v = getattr(self, name)
+            if not (v > low if strict else v >= low):
+                raise ValueError(f"DiagnoseConfig.{name}: expected {'>' if strict else '>='} "
+                                 f"{low:g}, got {v}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
