@@ -119,8 +119,8 @@ def measure_block(t: Target, n: int) -> None:
 
 def child_cycles(cycles: int, out: str) -> dict[str, object]:
     """Runs in a fresh process: the agent's collectors and store, driven back to back."""
-    from agent.node.config import AgentConfig
-    from agent.node.daemon import NodeAgent
+    from kvscope.node.config import AgentConfig
+    from kvscope.node.daemon import NodeAgent
 
     node = NodeAgent(AgentConfig(port=0, out=out, interval_s=3600))
     node.open_store()
@@ -206,7 +206,7 @@ def main() -> int:
     try:
         port = free_port()
         agent = subprocess.Popen(
-            [sys.executable, "-m", "agent.cli", "agent", "--port", str(port), "--interval",
+            [sys.executable, "-m", "kvscope.cli", "agent", "--port", str(port), "--interval",
              "3600", "--out", str(tmp / "agent-run")],
             cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         targets.append(Target("kvscope agent (/metrics)", agent, port))

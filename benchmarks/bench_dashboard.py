@@ -152,7 +152,7 @@ def _browser_times(runs: list[str], profile: Path) -> dict[tuple[str, str], floa
     from tests.dashboard.test_browser import DevTools, _wait_http
 
     port, cdp = free_port(), free_port()
-    dash = subprocess.Popen([sys.executable, "-m", "agent.cli", "dashboard", *runs, "--port",
+    dash = subprocess.Popen([sys.executable, "-m", "kvscope.cli", "dashboard", *runs, "--port",
                              str(port)], cwd=REPO, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     chrome = subprocess.Popen(

@@ -12,7 +12,6 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from agent.cli import main
 from agent.errors import InputError
 from analyzers.plan import (
     GIB,
@@ -28,6 +27,7 @@ from analyzers.plan import (
     resolve_model,
     tp_layout,
 )
+from kvscope.cli import main
 
 # 32 layers × 8 KV heads × head dim 128 (Llama-3-8B's shape).
 LLAMA = dict(layers=32, kv_heads=8, head_dim=128)
@@ -433,7 +433,7 @@ def test_text_output_shows_each_figure_with_its_formula(
 
 
 def test_command_and_arithmetic_import_without_pandas() -> None:
-    code = ("import sys, agent.commands.plan, analyzers.plan; "
+    code = ("import sys, kvscope.commands.plan, analyzers.plan; "
             "assert 'pandas' not in sys.modules and 'torch' not in sys.modules, "
             "sorted(m for m in sys.modules if m in ('pandas', 'torch'))")
     subprocess.run([sys.executable, "-c", code], check=True)

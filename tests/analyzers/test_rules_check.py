@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from agent.cli import main
 from agent.errors import InputError
 from agent.schema import METRICS, catalogued_series
 from analyzers.rules_check import (
@@ -23,6 +22,7 @@ from analyzers.rules_check import (
     read_metrics,
     suggest,
 )
+from kvscope.cli import main
 from tests.conftest import REPO, shared_data
 
 KVSCOPE_RULES = REPO / "dashboard" / "rules" / "kvscope-rules.yaml"

@@ -71,7 +71,7 @@ def golden() -> Path:
 @pytest.fixture(scope="module")
 def engine_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real run of the instrumented engine (tiny model, CPU)."""
-    from instrumented_engine.session import RunOptions, run_session
+    from kvscope.session import RunOptions, run_session
 
     out = tmp_path_factory.mktemp("engine") / "run"
     run_session(RunOptions(workload="docqa", num_requests=6, rate=0, model="tiny", out=out,

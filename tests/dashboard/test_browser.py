@@ -92,7 +92,7 @@ def dashboard_url() -> Iterator[str]:
         pytest.skip("golden run store not built")
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agent.cli", "dashboard", str(GOLDEN_RUN), "--port", str(port)],
+        [sys.executable, "-m", "kvscope.cli", "dashboard", str(GOLDEN_RUN), "--port", str(port)],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"

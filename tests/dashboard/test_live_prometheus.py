@@ -80,7 +80,7 @@ def _our_alerts(base: str) -> list[dict[str, Any]]:
 def _kvscope_run(tmp: Path, name: str, *args: str) -> subprocess.Popen[bytes]:
     log = (tmp / f"{name}.log").open("wb")
     return subprocess.Popen(
-        [sys.executable, "-m", "agent.cli", "run", "--workload", "docqa", "--model", "tiny",
+        [sys.executable, "-m", "kvscope.cli", "run", "--workload", "docqa", "--model", "tiny",
          "--remote", f"file://{tmp / 'remote'}", "--out", str(tmp / name), "--threads", "1",
          "--no-collectors", "-q", *args],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
@@ -125,7 +125,7 @@ def test_remote_failure_alert_fires_on_a_live_run(tmp_path: Path) -> None:
 
     # Warm the remote tier; nothing scrapes this one (it finishes in about two seconds).
     warm = subprocess.run(
-        [sys.executable, "-m", "agent.cli", "run", "--workload", "docqa", "--model", "tiny",
+        [sys.executable, "-m", "kvscope.cli", "run", "--workload", "docqa", "--model", "tiny",
          "-n", "30", "--rate", "0", "--remote", f"file://{tmp_path / 'remote'}",
          "--out", str(tmp_path / "warm"), "--metrics-port", "0", "--threads", "1",
          "--no-collectors", "-q"],

@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-from agent.cli import main
 from agent.errors import InputError
 from agent.runstore import open_run
 from dashboard.timeline import (
@@ -23,6 +22,7 @@ from dashboard.timeline import (
     build_trace,
     load_kineto,
 )
+from kvscope.cli import main
 from tests.conftest import shared_data
 from tests.dashboard.timeline.synthetic import (
     ACTIVITIES,

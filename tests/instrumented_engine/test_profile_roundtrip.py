@@ -21,7 +21,7 @@ from agent.schema import STATES, TTFT_STAGES
 from analyzers.importers import load
 from analyzers.importers.kineto import split_name
 from analyzers.ttft import partition
-from instrumented_engine.session import PROFILE_TRACE, RunOptions, run_session
+from kvscope.session import PROFILE_TRACE, RunOptions, run_session
 
 N = 4
 COLS = [f"{s}_ns" for s in TTFT_STAGES] + ["ttft_ns"]

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from agent.cli import main
 from agent.errors import InputError
 from agent.runstore import open_run
 from dashboard.timeline import PID_MERGE_BASE, Window, build_trace, merge_format
+from kvscope.cli import main
 from tests.conftest import shared_data
 from tests.dashboard.timeline.synthetic import (
     LANES,

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from agent.cli import main
+from kvscope.cli import main
 from tests.conftest import GOLDEN_RUN
 
 
@@ -118,7 +118,7 @@ def test_newer_schema_empty_run_and_bad_options(run_copy: Path, tmp_path: Path,
 def test_console_script_prints_no_traceback(run_copy: Path) -> None:
     part = run_copy / "spans" / "part-00000.parquet"
     part.write_bytes(b"\x00garbage" * 100)
-    proc = subprocess.run([sys.executable, "-m", "agent.cli", "analyze", str(run_copy)],
+    proc = subprocess.run([sys.executable, "-m", "kvscope.cli", "analyze", str(run_copy)],
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.startswith("kvscope: error: ") and proc.stderr.count("\n") == 1

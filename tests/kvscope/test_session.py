@@ -13,11 +13,11 @@ from pathlib import Path
 import pyarrow.compute as pc
 import pytest
 
-from agent.cli import main
 from agent.runstore import open_run
 from agent.schema import RUN_JSON_KEYS, SCHEMA_VERSION, TABLES
 from agent.telemetry import check_partition
-from instrumented_engine.session import PROFILE_TRACE, RunOptions, run_session
+from kvscope.cli import main
+from kvscope.session import PROFILE_TRACE, RunOptions, run_session
 from tests.conftest import REPO, free_port
 
 
@@ -47,7 +47,7 @@ def test_cli_run_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "run"
     env = {**os.environ, "COLUMNS": "120"}
     proc = subprocess.run(
-        [sys.executable, "-m", "agent.cli", "run", "--workload", "docqa", "--num-requests", "6",
+        [sys.executable, "-m", "kvscope.cli", "run", "--workload", "docqa", "--num-requests", "6",
          "--rate", "0", "--model", "tiny", "--out", str(out), "--metrics-port", "0", "-q",
          "--threads", "1"],
         capture_output=True, text=True, cwd=REPO, env=env, timeout=300)

@@ -12,7 +12,7 @@ from pathlib import Path
 import typer
 
 from agent.errors import InputError
-from agent.node.config import DEFAULT_PORT
+from kvscope.node.config import DEFAULT_PORT
 
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -74,7 +74,7 @@ def agent(
     import logging
     import sys
 
-    from agent.node.config import AgentConfig, parse_watch
+    from kvscope.node.config import AgentConfig, parse_watch
 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
@@ -86,7 +86,7 @@ def agent(
         sys_root=sys_root, proc_root=proc_root, watch=parse_watch(watch_pid),
         disable=tuple(disable),
     )
-    from agent.node.daemon import NodeAgent
+    from kvscope.node.daemon import NodeAgent
 
     node = NodeAgent(config)
     node.install_signal_handlers()

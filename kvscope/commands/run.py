@@ -11,7 +11,7 @@ from pathlib import Path
 
 import typer
 
-# Mirrors instrumented_engine.session.DEFAULT_METRICS_PORT (not imported: it would load numpy).
+# Mirrors kvscope.session.DEFAULT_METRICS_PORT (not imported: it would load numpy).
 _DEFAULT_PORT = 9478
 
 
@@ -95,7 +95,7 @@ def run(
         TimeElapsedColumn,
     )
 
-    from instrumented_engine.session import RunOptions, run_session
+    from kvscope.session import RunOptions, run_session
 
     opts = RunOptions(
         workload=workload, num_requests=num_requests, seed=seed,

@@ -12,9 +12,9 @@ import pytest
 import typer
 
 from agent import __version__
-from agent.cli import _COMMANDS, invoke, main
 from agent.errors import InputError
 from agent.schema import SCHEMA_VERSION
+from kvscope.cli import _COMMANDS, invoke, main
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -99,9 +99,9 @@ def test_a_bad_option_value_is_one_line_too(capsys: pytest.CaptureFixture[str],
 def test_a_user_error_in_a_fresh_process(tmp_path: Path) -> None:
     # A fresh interpreter (no pytest capture): one line, exit 2, no traceback.
     proc = subprocess.run(
-        [sys.executable, "-c", "import sys; from agent.cli import main; "
+        [sys.executable, "-c", "import sys; from kvscope.cli import main; "
          "from agent.runstore import open_run; import typer\n"
-         "from agent.cli import app\n"
+         "from kvscope.cli import app\n"
          "@app.command('probe')\n"
          "def probe(path: str) -> None:\n"
          "    open_run(path)\n"
@@ -112,7 +112,7 @@ def test_a_user_error_in_a_fresh_process(tmp_path: Path) -> None:
 
 
 def test_importing_the_cli_loads_neither_torch_nor_pandas() -> None:
-    code = ("import sys, agent.cli\n"
+    code = ("import sys, kvscope.cli\n"
             "print([m for m in ('torch', 'pandas', 'streamlit', 'plotly') if m in sys.modules])")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=REPO, timeout=60)

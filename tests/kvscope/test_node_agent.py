@@ -22,13 +22,13 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.errors import InputError
-from agent.node.config import DEFAULT_PORT, AgentConfig, parse_watch
-from agent.node.daemon import NodeAgent
-from agent.node.otlp import build_meter_provider, start_otlp
-from agent.node.store import StoreSink
 from agent.runstore import RunStoreWriter, open_run
 from collectors.base import Collection, Event, Sample
+from collectors.otlp import build_meter_provider, start_otlp
 from collectors.runner import CollectorRunner, default_collectors
+from kvscope.node.config import DEFAULT_PORT, AgentConfig, parse_watch
+from kvscope.node.daemon import NodeAgent
+from kvscope.node.store import StoreSink
 from tests.collectors.fake_nvml import FakeGpu, FakeNvml
 from tests.collectors.trees import FakeRoot
 from tests.conftest import REPO, free_port, require_binary
@@ -69,7 +69,7 @@ def test_agent_process_serves_promtool_clean_metrics_and_exits_0_on_sigterm(tmp_
     port = free_port()
     out = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agent.cli", "agent", "--port", str(port), "--interval", "0.2",
+        [sys.executable, "-m", "kvscope.cli", "agent", "--port", str(port), "--interval", "0.2",
          "--out", str(out), "--flush-interval", "0.3", "--watch-pid", f"tester={os.getpid()}"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -118,7 +118,7 @@ def stop_when_serving():
     time.sleep(0.6)  # a few collections and run-store flushes
     os.kill(os.getpid(), signal.SIGTERM)
 threading.Thread(target=stop_when_serving, daemon=True).start()
-from agent.cli import main
+from kvscope.cli import main
 rc = main(["agent", "--port", str(port), "--interval", "0.1", "--out", sys.argv[2],
            "--flush-interval", "0.2"])
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "pandas"))
@@ -384,7 +384,7 @@ def test_port_in_use_is_a_clear_error_and_leaves_no_run(tmp_path):
 def test_cli_port_in_use_is_one_line_exit_2(tmp_path):
     with socket.create_server(("127.0.0.1", 0)) as busy:
         port = busy.getsockname()[1]
-        res = subprocess.run([sys.executable, "-m", "agent.cli", "agent", "--port", str(port),
+        res = subprocess.run([sys.executable, "-m", "kvscope.cli", "agent", "--port", str(port),
                               "--disable", "nvml"], cwd=REPO, capture_output=True, text=True,
                              timeout=120)
     assert res.returncode == 2
@@ -395,7 +395,7 @@ def test_cli_port_in_use_is_one_line_exit_2(tmp_path):
 
 
 def test_command_module_is_light_at_import():
-    code = ("import sys, agent.commands.agent; "
+    code = ("import sys, kvscope.commands.agent; "
             "print(sorted(m for m in ('pyarrow', 'prometheus_client', 'psutil', 'pynvml', "
             "'numpy', 'torch', 'pandas', 'collectors') if m in sys.modules))")
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
@@ -404,7 +404,7 @@ def test_command_module_is_light_at_import():
 
 
 def test_cli_reports_bad_options_in_one_line():
-    res = subprocess.run([sys.executable, "-m", "agent.cli", "agent", "--interval", "0",
+    res = subprocess.run([sys.executable, "-m", "kvscope.cli", "agent", "--interval", "0",
                           "--port", str(free_port())], cwd=REPO, capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 2
@@ -430,7 +430,7 @@ def test_config_validation(kwargs, msg):
 
 
 def test_defaults_and_option_parsing():
-    from agent.commands.agent import parse_size
+    from kvscope.commands.agent import parse_size
 
     c = AgentConfig()
     assert (c.port, c.listen_address, c.interval_s) == (DEFAULT_PORT, "127.0.0.1", 1.0)
@@ -447,7 +447,7 @@ def test_defaults_and_option_parsing():
 
 
 def test_samples_table_round_trip_types(tmp_path):
-    from agent.node.store import events_table, samples_table
+    from kvscope.node.store import events_table, samples_table
 
     t = samples_table([Sample(5, "host", None, "m", 1.5, None),
                        Sample(7, "nic", "eth0", "métrique", -2.0, "bytes")], 10)

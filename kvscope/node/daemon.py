@@ -19,13 +19,13 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from agent.errors import InputError
-from agent.node.config import SELF_PROCESS, AgentConfig
-from agent.node.http import MetricsServer
-from agent.node.store import StoreSink
+from agent.exporters.http import MetricsServer
 from agent.runstore import RunStoreWriter
 from collectors.base import BaseCollector, Collection
 from collectors.prometheus import CONTENT_TYPE, CollectorExposition, TextRenderer
 from collectors.runner import CollectorRunner, default_collectors
+from kvscope.node.config import SELF_PROCESS, AgentConfig
+from kvscope.node.store import StoreSink
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class NodeAgent:
         self.open_store()
         self.runner.start()
         if c.otlp_endpoint:
-            from agent.node.otlp import start_otlp
+            from collectors.otlp import start_otlp
 
             self.meter_provider = start_otlp(self.runner, c.otlp_endpoint, c.otlp_interval_s)
         host, port = self.address or (c.listen_address, c.port)

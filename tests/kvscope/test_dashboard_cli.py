@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.cli import main
-from agent.commands.dashboard import DEFAULT_PORT, streamlit_argv
+from kvscope.cli import main
+from kvscope.commands.dashboard import DEFAULT_PORT, streamlit_argv
 from tests.conftest import GOLDEN_RUN, REPO
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.cli import main
+from kvscope.cli import main
 from tests.analyzers.importers.fixtures import (
     T0,
     ann,

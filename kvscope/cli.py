@@ -1,6 +1,6 @@
 """The `kvscope` command line.
 
-Subcommands live in `agent.commands.<name>` as light modules (typer only at import time);
+Subcommands live in `kvscope.commands.<name>` as light modules (typer only at import time);
 each imports its heavy dependencies inside the command body, so `kvscope agent` loads neither
 torch nor pandas.
 """
@@ -17,15 +17,15 @@ from agent.errors import InputError
 
 # (command name, module, function or sub-app attribute). Order is the order in --help.
 _COMMANDS: tuple[tuple[str, str, str], ...] = (
-    ("run", "agent.commands.run", "run"),
-    ("analyze", "agent.commands.analyze", "analyze"),
-    ("compare", "agent.commands.compare", "compare"),
-    ("timeline", "agent.commands.timeline", "timeline"),
-    ("plan", "agent.commands.plan", "plan"),
-    ("agent", "agent.commands.agent", "agent"),
-    ("rules", "agent.commands.rules", "app"),
-    ("dashboard", "agent.commands.dashboard", "dashboard"),
-    ("version", "agent.commands.version", "version"),
+    ("run", "kvscope.commands.run", "run"),
+    ("analyze", "kvscope.commands.analyze", "analyze"),
+    ("compare", "kvscope.commands.compare", "compare"),
+    ("timeline", "kvscope.commands.timeline", "timeline"),
+    ("plan", "kvscope.commands.plan", "plan"),
+    ("agent", "kvscope.commands.agent", "agent"),
+    ("rules", "kvscope.commands.rules", "app"),
+    ("dashboard", "kvscope.commands.dashboard", "dashboard"),
+    ("version", "kvscope.commands.version", "version"),
 )
 
 app = typer.Typer(
