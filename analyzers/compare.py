@@ -263,7 +263,7 @@ def _verdict(stages: pd.DataFrame, acct: pd.DataFrame, tail: float, level: float
 
 
 def _load(run: Any) -> tuple[pd.DataFrame, pd.DataFrame, str]:
-    from agent.runstore import RunStore, open_run
+    from agent.runstore.reader import RunStore, open_run
 
     if isinstance(run, RunStore):
         return run.requests, run.spans, str(run.path)

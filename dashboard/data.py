@@ -113,7 +113,7 @@ def load_run(path: str, version: int) -> RunData:
     """
     p = Path(path)
     if p.is_dir():
-        from agent.runstore import open_run
+        from agent.runstore.reader import open_run
 
         store = open_run(p)
         notes = [f"missing part: {g}" for g in store.gaps]

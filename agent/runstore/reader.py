@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from agent.errors import InputError, SchemaVersionError
-from agent.runstore.writer import PART_RE
+from agent.runstore.layout import PART_RE
 from agent.schema import RUN_JSON_KEYS, SCHEMA_VERSION, TABLES
 
 if TYPE_CHECKING:

@@ -17,13 +17,8 @@ import pyarrow.parquet as pq
 
 from agent.clock import ClockAnchor, process_anchor
 from agent.errors import InputError
+from agent.runstore.layout import PART_RE, part_name
 from agent.schema import SCHEMA_VERSION, TABLES
-
-PART_RE = re.compile(r"^part-(\d{5,})\.parquet$")
-
-
-def part_name(seq: int) -> str:
-    return f"part-{seq:05d}.parquet"
 
 
 def _fsync_dir(path: Path) -> None:

@@ -158,7 +158,7 @@ def _run_ids(path: Path) -> dict[int, str]:
     """request_num → request_id from the run store the trace sits in ({} when none)."""
     for d in (path.parent, path.parent.parent):
         if (d / "run.json").is_file():
-            from agent.runstore import open_run
+            from agent.runstore.reader import open_run
 
             try:
                 req = open_run(d, tables=("requests",)).requests

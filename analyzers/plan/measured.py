@@ -52,7 +52,7 @@ def measured_prefill(run: str | os.PathLike[str]) -> MeasuredPrefill:
             raise
         raise InputError(f"--from-run needs the analysis extra (analyzers.accounting."
                          f"prefill_rate: {exc}); install kvscope[analysis]") from None
-    from agent.runstore import open_run
+    from agent.runstore.reader import open_run
 
     store = open_run(run, tables=("requests", "spans"))
     rate = prefill_rate(store.requests, store.spans)

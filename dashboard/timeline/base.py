@@ -12,7 +12,7 @@ import pandas as pd
 from agent.errors import InputError
 
 if TYPE_CHECKING:
-    from agent.runstore import RunStore
+    from agent.runstore.reader import RunStore
 
 # kvscope's pids sit above Linux's pid_max (2**22) so that merged traces' pids (real process
 # ids, GPU ordinals) never collide with them.

@@ -23,7 +23,7 @@ from dashboard.timeline.base import (
 from dashboard.timeline.lanes import assign_lanes
 
 if TYPE_CHECKING:
-    from agent.runstore import RunStore
+    from agent.runstore.reader import RunStore
 
 #: Transfer tiers in display order; "" holds activity spans without a (known) tier.
 TRANSFER_TIERS: tuple[str, ...] = ("device", "host", "remote", "")

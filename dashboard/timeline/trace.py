@@ -30,7 +30,7 @@ from dashboard.timeline.kineto import load_kineto, merge_events
 from dashboard.timeline.nsys import is_sqlite, nsys_events
 
 if TYPE_CHECKING:
-    from agent.runstore import RunStore
+    from agent.runstore.reader import RunStore
 
 GZIP_MAGIC = b"\x1f\x8b"
 
@@ -143,7 +143,7 @@ def write_trace(run_path: str | os.PathLike[str], out: str | os.PathLike[str], *
     Returns:
         Event counts and merge notes, for the command's summary line.
     """
-    from agent.runstore import open_run
+    from agent.runstore.reader import open_run
 
     trace = build_trace(open_run(run_path), window=window, merge=merge)
     # NaN is not JSON: a null that slipped through must fail here, not in the viewer.

@@ -21,7 +21,7 @@ import pytest
 
 from agent.errors import InputError, SchemaVersionError
 from agent.runstore import RunStoreWriter, open_run
-from agent.runstore.writer import PART_RE
+from agent.runstore.layout import PART_RE
 from agent.schema import SCHEMA_VERSION, TABLES
 
 REPO = Path(__file__).resolve().parents[2]
