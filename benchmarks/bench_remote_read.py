@@ -49,10 +49,10 @@ import torch  # noqa: E402
 
 from instrumented_engine.core.block_hash import hash_block, namespace_digest  # noqa: E402
 from instrumented_engine.tiers import format as fmt  # noqa: E402
-from instrumented_engine.tiers.file_store import FileStore  # noqa: E402
-from instrumented_engine.tiers.redis_store import RedisStore, key  # noqa: E402
-from instrumented_engine.tiers.remote import RemoteStore  # noqa: E402
-from instrumented_engine.tiers.resilient import ResilienceConfig, ResilientRemote  # noqa: E402
+from instrumented_engine.tiers.remote import ResilienceConfig, ResilientRemote  # noqa: E402
+from instrumented_engine.tiers.stores import RemoteStore  # noqa: E402
+from instrumented_engine.tiers.stores.file import FileStore  # noqa: E402
+from instrumented_engine.tiers.stores.redis import RedisStore, key  # noqa: E402
 
 TARGETS = {"redis": 0.7, "file": 0.5}
 

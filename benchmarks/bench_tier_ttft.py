@@ -37,10 +37,10 @@ from instrumented_engine.config import (  # noqa: E402
     ModelConfig,
     SchedulerConfig,
 )
+from instrumented_engine.driver import RealTimeDriver  # noqa: E402
 from instrumented_engine.engine import LLMEngine  # noqa: E402
 from instrumented_engine.model.llama import build_model  # noqa: E402
-from instrumented_engine.runner import RealTimeRunner  # noqa: E402
-from instrumented_engine.tier_flow import TierConfig  # noqa: E402
+from instrumented_engine.tiers.config import TierConfig  # noqa: E402
 from instrumented_engine.workloads import build_workload  # noqa: E402
 
 
@@ -54,7 +54,7 @@ def _run(cfg: EngineConfig, model: torch.nn.Module, arrivals: list, url: str
          ) -> tuple[float, int, int]:
     """(TTFT p50 in s, remote-loaded tokens, prompt tokens) of one real-time replay."""
     eng = LLMEngine(cfg, model=model, tier_config=TierConfig(remote=url))
-    res = RealTimeRunner(eng, arrivals).run()  # closes the engine: write-behind flushed
+    res = RealTimeDriver(eng, arrivals).run()  # closes the engine: write-behind flushed
     ttft = [(o.first_token_ns - o.arrival_ns) / 1e9 for o in res.outputs]
     return (float(np.median(ttft)), sum(o.accounting.remote_loaded_tokens for o in res.outputs),
             sum(o.accounting.prompt_tokens for o in res.outputs))

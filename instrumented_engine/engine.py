@@ -21,19 +21,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from agent.clock import now_ns
-from agent.telemetry import Recorder
+from agent.telemetry import PoolStatus, Recorder
 from instrumented_engine.config import EngineConfig
 from instrumented_engine.core.block_hash import namespace_digest
 from instrumented_engine.core.block_pool import BlockPool
-from instrumented_engine.core.kv_cache_manager import KVCacheManager, lookup_tokens
+from instrumented_engine.core.kv_cache_manager import KVCacheManager
 from instrumented_engine.core.request import Request, RequestOutput, SamplingParams
-from instrumented_engine.core.tiers import KVTier
+from instrumented_engine.instrumentation import EngineInstrumentation
+from instrumented_engine.lifecycle import RequestLifecycle
 from instrumented_engine.model.llama import LlamaModel, build_model
 from instrumented_engine.model_runner import TORCH_DTYPES, ModelRunner
 from instrumented_engine.scheduler import Scheduler
-from instrumented_engine.telemetry import EngineTelemetry
-from instrumented_engine.tier_flow import TierConfig, TierFlow
-from instrumented_engine.tiers import RemoteStore
+from instrumented_engine.tiers.build import build_tiers
+from instrumented_engine.tiers.config import TierConfig
+from instrumented_engine.tiers.flow import TierFlow
+from instrumented_engine.tiers.stores import RemoteStore
 
 
 @dataclass(slots=True)
@@ -56,16 +58,16 @@ class LLMEngine:
         model: a prebuilt model (e.g. a loaded checkpoint, or one shared by benchmark runs);
             default: random weights from `config.model.seed`.
         recorder: where telemetry goes; None turns telemetry off.
-        tiers: extra KV tiers consulted at arrival lookup only (tests of the lookup seam).
         tier_config: the host and remote tiers, wired into the whole request flow
-            (instrumented_engine.tier_flow); None or inactive: the device pool only.
-        remote_store: a raw remote store used instead of opening `tier_config.remote`.
+            (instrumented_engine.tiers); None or inactive: the device pool only.
+        remote_store: the raw store behind `tier_config.remote`, already opened (the caller
+            checked it); None opens the URL.
         clock: the monotonic clock in ns (the recorder's, so all times share one clock).
     """
 
     def __init__(self, config: EngineConfig, *, model: LlamaModel | None = None,
-                 recorder: Recorder | None = None, tiers: Sequence[KVTier] = (),
-                 tier_config: TierConfig | None = None, remote_store: RemoteStore | None = None,
+                 recorder: Recorder | None = None, tier_config: TierConfig | None = None,
+                 remote_store: RemoteStore | None = None,
                  clock: Callable[[], int] = now_ns) -> None:
         self.config = config
         mc = config.model
@@ -79,21 +81,24 @@ class LLMEngine:
         self.kv = KVCacheManager(self.pool, config.cache.block_size)
         self.runner = ModelRunner(model, config)
         self.clock = recorder.now if recorder is not None else clock
+        self.life = RequestLifecycle(recorder, block_size=config.cache.block_size,
+                                     num_layers=mc.num_layers, clock=self.clock)
         self.flow: TierFlow | None = None
         if tier_config is not None and tier_config.active:
-            self.flow = TierFlow(tier_config, self.runner.kv_caches, recorder=recorder,
-                                 model=mc.model_id, clock=self.clock, store=remote_store)
-            self.pool.on_evict = self.flow.on_evict
-        self.scheduler = Scheduler(config.scheduler, self.kv, loader=self.flow)
-        self.tiers = tuple(tiers) + (self.flow.lookup_tiers if self.flow else ())
+            stack = build_tiers(tier_config, self.runner.kv_caches, recorder=recorder,
+                                store=remote_store)
+            self.flow = TierFlow(tier_config, stack, self.runner.kv_caches, self.life,
+                                 recorder=recorder, clock=self.clock)
+            self.pool.on_evict = stack.offload
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.life, loader=self.flow)
+        self.tiers = self.flow.lookup_tiers if self.flow else ()
         self.recorder = recorder
-        self.tel = None if recorder is None else EngineTelemetry(
-            recorder, model=self.model_name, num_layers=mc.num_layers, device=config.device)
+        self.tel = (None if recorder is None
+                    else EngineInstrumentation(recorder, device=config.device))
         self.stats = EngineStats()
         self._namespace = config.namespace
         self._ns_cache: dict[str | None, bytes] = {}
         self._ids = itertools.count()
-        self._nums = itertools.count()
         self._inbox: deque[tuple[Request, dict[str, int], bool]] = deque()
         self._wake = threading.Event()
 
@@ -148,7 +153,8 @@ class LLMEngine:
         Safe on any thread. Returns the promised tokens per tier (device first, then each
         tier continuing the chain where the previous one stopped).
         """
-        req.arrival_ns = self.clock() if arrival_ns is None else arrival_ns
+        life = self.life
+        life.arrived(req, arrival_ns)
         self.kv.hash_prompt(req)
         bs = self.kv.block_size
         n = self.kv.probe(req)
@@ -158,10 +164,7 @@ class LLMEngine:
             more = min(tier.lookup(req.block_hashes[:limit], n), limit - n) if n < limit else 0
             promised[tier.name] = more * bs
             n += more
-        req.acct.lookup_tokens = lookup_tokens(req.prompt_len, bs)
-        req.acct.host_hit_tokens = promised.get("host", 0)
-        req.acct.remote_hit_tokens = promised.get("remote", 0)
-        req.lookup_done_ns = self.clock()
+        life.looked_up(req, promised)
         return promised
 
     def submit(self, req: Request, promised: dict[str, int]) -> None:
@@ -173,9 +176,9 @@ class LLMEngine:
         """
         early = self._prefetch_at_submit(promised)
         if early:
-            tel, flow = self.tel, self.flow
+            flow = self.flow
             assert flow is not None
-            req.request_num = tel.begin(req) if tel else next(self._nums)
+            self.life.open(req)
             flow.arrival(req, promised)
         self._inbox.append((req, promised, early))
         self._wake.set()
@@ -201,17 +204,15 @@ class LLMEngine:
         return req.request_id
 
     def _take_arrivals(self) -> None:
-        tel = self.tel
         inbox = self._inbox
+        life = self.life
         while inbox:
             req, promised, early = inbox.popleft()
-            if early:  # numbered, and its prefetch started, by `submit`
-                if tel:
-                    tel.arrival(req, promised, req.request_num)
-            else:
-                req.request_num = tel.arrival(req, promised) if tel else next(self._nums)
+            if not early:  # else numbered, and its prefetch started, by `submit`
+                life.open(req)
                 if self.flow is not None:
                     self.flow.arrival(req, promised)
+            life.queued(req, promised)
             self.scheduler.add(req)
 
     def wake(self) -> None:
@@ -252,9 +253,7 @@ class LLMEngine:
             self.stats.preemptions += len(sched.preempted)
         if tel:
             tel.phase_end()
-            for victim, lost in zip(sched.preempted, sched.preempted_tokens, strict=True):
-                tel.preempted(victim, lost, t1)
-            tel.scheduled(reqs, t0)
+        self.life.scheduled(reqs, t0)
         if not reqs:  # nothing fits this step (cannot happen with validated requests)
             return []
         if tel:
@@ -285,31 +284,38 @@ class LLMEngine:
         self.stats.evicted_blocks += evicted
         if tel:
             tel.step_done(step_id, t0, t1, t2, t3, t4, batch, tokens)
-            tel.pool(self.pool, len(sched_.running), len(sched_.waiting), evicted, t4)
-            if self.flow is not None:
-                self.flow.record_pools(t4)
+            self._publish(evicted, t4)
         return outputs
+
+    def _publish(self, evicted: int, t: int) -> None:
+        """(Engine loop) pool samples and the engine's status, after a step or at close."""
+        assert self.tel is not None
+        flow = self.flow
+        pools = (PoolStatus("device", *self.pool.state_counts()),)
+        host = flow.host_pool() if flow is not None else None
+        if host is not None:
+            pools += (host,)
+        sched = self.scheduler
+        self.tel.status(pools, running=len(sched.running), waiting=len(sched.waiting),
+                        preemptions=self.stats.preemptions, evicted=evicted,
+                        remote=flow.remote_status() if flow is not None else None, t=t)
 
     def _update(self, reqs: list[Request], num_new: list[int], sampling: list[Request],
                 sampled: list[int], t: int) -> list[RequestOutput]:
-        tel = self.tel
+        life = self.life
         for req, n in zip(reqs, num_new, strict=True):
             req.num_computed_tokens += n
             if not req.has_first_token:
-                req.acct.recomputed_tokens += n
+                life.computed(req, n)
                 if req.num_computed_tokens < req.num_tokens:
                     self.stats.partial_prefills += 1
-                    if tel:
-                        tel.chunk_done(req, t)
+                    life.chunk_done(req, t)
         outputs: list[RequestOutput] = []
+        layer_times = self.flow.layer_times if self.flow else None
         for req, tok in zip(sampling, sampled, strict=True):
             req.token_ids.append(tok)
             if not req.has_first_token:
-                req.first_token_ns = t
-                # NOTE: identity at the first token; device_hit and recomputed are final now.
-                assert req.acct.identity_holds(), req
-                if tel:
-                    tel.first_token(req, t, self.flow.layer_times if self.flow else None)
+                life.first_token(req, t, layer_times)
             if req.finished:
                 outputs.append(self._finish(req, t))
         return outputs
@@ -318,11 +324,8 @@ class LLMEngine:
         if self.flow is not None:
             self.flow.release(req)
         self.scheduler.finish(req)
-        req.finish_ns = t
-        req.acct.output_tokens = req.num_output_tokens
         self.stats.finished += 1
-        if self.tel:
-            self.tel.finished(req, t)
+        self.life.finished(req, t)
         return RequestOutput(req.request_id, req.request_num, req.token_ids[: req.prompt_len],
                              req.output_token_ids, req.tenant, req.arrival_ns,
                              req.first_token_ns, t, req.acct)
@@ -354,10 +357,7 @@ class LLMEngine:
                 self.flow.release(req)
             if req in sched.running:
                 sched.finish(req)
-            req.finish_ns = t
-            req.acct.output_tokens = req.num_output_tokens
-            if self.tel:
-                self.tel.finished(req, t, status="aborted")
+            self.life.finished(req, t, status="aborted")
             out.append(RequestOutput(req.request_id, req.request_num,
                                      req.token_ids[: req.prompt_len], req.output_token_ids,
                                      req.tenant, req.arrival_ns, req.first_token_ns, t,
@@ -377,3 +377,5 @@ class LLMEngine:
             self.flow.close()
         if self.tel:
             self.tel.close()
+            # The status after the close: the writes it flushed are in the remote's counts.
+            self._publish(0, self.clock())

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from instrumented_engine.config import SchedulerConfig
 from instrumented_engine.core.kv_cache_manager import KVCacheManager
 from instrumented_engine.core.request import Request, RequestStatus
-from instrumented_engine.core.tiers import TierLoader
+from instrumented_engine.lifecycle import RequestLifecycle
+from instrumented_engine.tiers.protocol import TierLoader
 
 
 @dataclass(slots=True)
@@ -47,13 +48,15 @@ class Scheduler:
     """Args:
         cfg: batching limits.
         kv: the KV cache manager (block tables over the device pool).
+        lifecycle: told about admissions and preemptions (the requests' accounting).
         loader: the host/remote tiers' admission half (`TierFlow`), or None.
     """
 
-    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager,
+    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, lifecycle: RequestLifecycle,
                  loader: TierLoader | None = None) -> None:
         self.cfg = cfg
         self.kv = kv
+        self.life = lifecycle
         self.loader = loader
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -124,9 +127,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_hit + num_load
             req.admitted_hit_tokens = num_hit + num_load
-            if not req.has_first_token:
-                req.acct.device_hit_tokens = num_hit
-                req.acct.recomputed_tokens = 0
+            self.life.admitted(req, num_hit)
             if loader is not None:
                 loader.admitted(req, len(hits))
             out.requests.append(req)
@@ -140,8 +141,7 @@ class Scheduler:
         # Tokens this request computed since its admission are lost (its full blocks stay
         # cached-free and may be hit again when it is re-admitted, counted as hits then).
         lost = req.num_computed_tokens - req.admitted_hit_tokens
-        req.acct.preempted_tokens += lost
-        req.acct.num_preemptions += 1
+        self.life.preempted(req, lost)
         req.num_computed_tokens = 0
         req.admitted_hit_tokens = 0
         req.status = RequestStatus.PREEMPTED

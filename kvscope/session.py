@@ -1,6 +1,6 @@
 """One `kvscope run`: build the engine and workload, export telemetry while it runs, summarise.
 
-    workload ─► RealTimeRunner ─► LLMEngine ─► Recorder ─► TelemetryPipeline ─┬─► run store
+    workload ─► RealTimeDriver ─► LLMEngine ─► Recorder ─► TelemetryPipeline ─┬─► run store
                                                                               └─► /metrics
 """
 
@@ -28,7 +28,7 @@ from instrumented_engine.config import (
     SchedulerConfig,
 )
 from instrumented_engine.core.request import RequestOutput
-from instrumented_engine.runner import RunResult
+from instrumented_engine.driver import RunResult
 from instrumented_engine.workloads import build_workload
 
 #: Where `kvscope run` serves /metrics by default: not 9090/9100/9400/9464 (Prometheus,
@@ -171,10 +171,11 @@ def engine_config(opts: RunOptions, model: ModelConfig) -> EngineConfig:
         raise InputError(msg) from None
 
 
-def tier_config(opts: RunOptions) -> Any:
-    """The tiers of a run (a `TierConfig`); bad values become `InputError`s naming the option."""
-    from instrumented_engine.tier_flow import HOST_WRITES, TierConfig
-    from instrumented_engine.tiers import ResilienceConfig, parse_faults
+def tier_config(opts: RunOptions) -> tuple[Any, Any]:
+    """The tiers of a run (a `TierConfig`) and its remote store, opened once here (None
+    without `--remote`); bad values become `InputError`s naming the option."""
+    from instrumented_engine.tiers import RemoteError, ResilienceConfig, open_remote, parse_faults
+    from instrumented_engine.tiers.config import HOST_WRITES, TierConfig
 
     if opts.host_blocks < 0:
         raise InputError(f"--host-blocks: must be >= 0 (0 = no host tier), got {opts.host_blocks}")
@@ -187,16 +188,16 @@ def tier_config(opts: RunOptions) -> Any:
     faults = parse_faults(list(opts.faults), seed=opts.seed)
     if faults.active and opts.remote is None:
         raise InputError("--fault: remote faults need a remote tier (--remote URL)")
+    resilience = ResilienceConfig(timeout_s=opts.remote_timeout_ms / 1000)
+    store = None
     if opts.remote is not None:
-        from instrumented_engine.tiers import open_remote
-
-        try:
-            open_remote(opts.remote).close()  # a bad URL fails here, before the model loads
-        except OSError as exc:
-            raise InputError(f"--remote {opts.remote}: {exc.strerror or exc}") from None
+        try:  # a bad URL fails here, before the model loads
+            store = open_remote(opts.remote, timeout_s=resilience.timeout_s)
+        except (OSError, RemoteError) as exc:
+            raise InputError(f"--remote {opts.remote}: {getattr(exc, 'strerror', None) or exc}"
+                             ) from None
     return TierConfig(host_blocks=opts.host_blocks, remote=opts.remote,
-                      host_write=opts.host_write, faults=faults,
-                      resilience=ResilienceConfig(timeout_s=opts.remote_timeout_ms / 1000))
+                      host_write=opts.host_write, faults=faults, resilience=resilience), store
 
 
 def _check_options(opts: RunOptions) -> None:
@@ -266,7 +267,7 @@ def run_session(opts: RunOptions, *, on_start: Callable[[int, str | None], None]
         InputError: a bad option, workload file or checkpoint (one line, naming it).
     """
     _check_options(opts)
-    tiers = tier_config(opts)
+    tiers, remote_store = tier_config(opts)
     import torch
 
     from agent.exporters.pipeline import TelemetryPipeline
@@ -274,8 +275,8 @@ def run_session(opts: RunOptions, *, on_start: Callable[[int, str | None], None]
     from agent.exporters.runstore import RunStoreSink
     from agent.runstore import RunStoreWriter
     from agent.telemetry import Recorder
+    from instrumented_engine.driver import RealTimeDriver
     from instrumented_engine.engine import LLMEngine
-    from instrumented_engine.runner import RealTimeRunner
 
     # Small models gain little from intra-op threads, and spinning threads on cores shared
     # with other processes cost a lot: default to half the cores, at most 4.
@@ -293,11 +294,9 @@ def run_session(opts: RunOptions, *, on_start: Callable[[int, str | None], None]
         model_cfg = dataclasses.replace(model_cfg, max_model_len=max(4096, needed))
     cfg = engine_config(opts, model_cfg)
     recorder = Recorder()
-    try:
-        engine = LLMEngine(cfg, model=model, recorder=recorder, tier_config=tiers)
-    except OSError as exc:  # e.g. a file:// remote directory that cannot be created
-        raise InputError(f"--remote {opts.remote}: {exc.strerror or exc}") from None
-    runner = RealTimeRunner(engine, arrivals, on_finished=on_finished)
+    engine = LLMEngine(cfg, model=model, recorder=recorder, tier_config=tiers,
+                       remote_store=remote_store)
+    driver = RealTimeDriver(engine, arrivals, on_finished=on_finished)
 
     config = {
         "engine": dataclasses.asdict(cfg),
@@ -346,7 +345,7 @@ def run_session(opts: RunOptions, *, on_start: Callable[[int, str | None], None]
             on_start(len(arrivals), url)
         try:
             with _profiler(opts.profile, recorder, opts.out):
-                result = runner.run()
+                result = driver.run()
         finally:
             if hw is not None:
                 hw.stop()

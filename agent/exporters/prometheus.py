@@ -2,8 +2,9 @@
 
 The exporter is a pipeline sink: `export()` folds each drained batch into cumulative state
 (`agent.exporters.promstate`), and `collect()` builds every metric family from one snapshot of
-that state plus the recorder's live gauges and counters. Only catalogued names are exposed
-(`agent.schema.ENGINE_METRICS` + `TELEMETRY_METRICS`), with the catalogue's buckets.
+that state plus the engine's latest `EngineStatus`. Only catalogued names are exposed
+(`agent.schema.ENGINE_METRICS` + `TELEMETRY_METRICS`), with the catalogue's buckets; no other
+part of kvscope spells an engine metric's name or labels.
 """
 
 from __future__ import annotations
@@ -30,13 +31,21 @@ from prometheus_client.utils import floatToGoString
 from agent.exporters.assembly import RequestAssembler
 from agent.exporters.ids import default_run_id
 from agent.exporters.promstate import TTFT, Labels, MetricState, Snapshot
-from agent.schema import ENGINE_METRICS, SCHEMA_VERSION, TABLES, TELEMETRY_METRICS, MetricSpec
+from agent.schema import (
+    ENGINE_METRICS,
+    REMOTE_OP_OUTCOMES,
+    REMOTE_OPS,
+    SCHEMA_VERSION,
+    TABLES,
+    TELEMETRY_METRICS,
+    MetricSpec,
+)
+from agent.telemetry.status import EngineStatus
 
 log = logging.getLogger(__name__)
 
 #: What this exporter may expose: the engine and telemetry parts of the catalogue.
 EXPOSED: tuple[MetricSpec, ...] = ENGINE_METRICS + TELEMETRY_METRICS
-_BY_NAME = {m.name: m for m in EXPOSED}
 _INF = floatToGoString(float("inf"))
 
 
@@ -53,16 +62,52 @@ def _family(spec: MetricSpec) -> Metric:
     return InfoMetricFamily(spec.family, spec.help, labels=())
 
 
+#: (op, outcome) series of kvscope_remote_operations_total: only reads check objects, so only
+#: they can end in `checksum`.
+REMOTE_OP_SERIES: tuple[tuple[str, str], ...] = tuple(
+    (op, o) for op in REMOTE_OPS for o in REMOTE_OP_OUTCOMES if o != "checksum" or op == "read")
+_POOL_STATES = ("in_use", "cached_free", "empty")
+
+
+def status_series(status: EngineStatus | None, model: str, *, row_preemptions: int
+                  ) -> dict[str, dict[Labels, float]]:
+    """The live series of an engine's self-report, by catalogued name.
+
+    Args:
+        status: the engine's latest `EngineStatus` (None: no engine publishes one).
+        model: the `model` label.
+        row_preemptions: preemptions counted from finished requests' rows, exported only when
+            there is no status (the engine's own count is live; the two are never added).
+    """
+    m = (model,)
+    if status is None:
+        return {"kvscope_preemptions_total": {m: row_preemptions}}
+    out: dict[str, dict[Labels, float]] = {
+        "kvscope_requests_running": {m: status.running},
+        "kvscope_requests_waiting": {m: status.waiting},
+        "kvscope_preemptions_total": {m: status.preemptions},
+        "kvscope_block_pool_blocks": {
+            (model, p.tier, state): getattr(p, state) for p in status.pools
+            for state in _POOL_STATES},
+    }
+    remote = status.remote
+    if remote is not None:
+        ops = remote.operations
+        out["kvscope_remote_operations_total"] = {
+            (model, op, outcome): ops.get((op, outcome), 0) for op, outcome in REMOTE_OP_SERIES}
+        out["kvscope_remote_breaker_open"] = {m: 1 if remote.breaker == "open" else 0}
+    return out
+
+
 class PrometheusExporter:
     """Engine metrics for Prometheus, fed by the telemetry pipeline.
 
-    Live values: `recorder.gauges` and `recorder.counters` map (catalogued name, label values
-    in catalogue order) to a number; the leading `model` label may be left out (this exporter's
-    `model` fills it). Keys with an uncatalogued name, the wrong metric type or the wrong label
-    count are skipped and counted once each as export errors.
+    Every name and label is this exporter's: finished requests and spans (drained batches)
+    become counters and histograms, and the engine's `EngineStatus` (`recorder.status`, read
+    at scrape time) becomes the live gauges and counters (`status_series`).
 
     Args:
-        recorder: the `agent.telemetry.Recorder` (live gauges/counters and its stats).
+        recorder: the `agent.telemetry.Recorder` (its status and stats).
         model: the `model` label of every engine metric.
         registry: where to register the collector (default: a new `CollectorRegistry`).
         run_id: seeds the TTFT exemplars' trace ids; use the one given to `OtelExporter`.
@@ -81,8 +126,7 @@ class PrometheusExporter:
         self._assembler = RequestAssembler()
         self._lock = threading.Lock()
         self._pipeline: Any = None
-        self._bad_keys: set[tuple[str, Any]] = set()
-        #: Failures inside this exporter that did not raise (bad live keys).
+        #: Failures inside this exporter that did not raise.
         self.errors = 0
         self.registry = registry if registry is not None else CollectorRegistry()
         self.registry.register(self)
@@ -120,9 +164,8 @@ class PrometheusExporter:
         """Every exposed family from one snapshot of the state."""
         with self._lock:
             snap = self._state.snapshot()
-        gauges, counters = self._live_values()
-        live_counters = self._live(counters, "counter")
-        live_gauges = self._live(gauges, "gauge")
+        live = status_series(getattr(self.recorder, "status", None), self.model,
+                             row_preemptions=snap.row_preemptions)
         telemetry = self._telemetry()
         for spec in EXPOSED:
             fam = _family(spec)
@@ -134,8 +177,7 @@ class PrometheusExporter:
             else:
                 series: dict[Labels, float] = {}
                 for src in (snap.counters.get(spec.name), telemetry.get(spec.name),
-                            (live_counters if spec.type == "counter" else live_gauges)
-                            .get(spec.name)):
+                            live.get(spec.name)):
                     for labels, v in (src or {}).items():
                         series[labels] = series.get(labels, 0) + v
                 for labels, v in sorted(series.items()):
@@ -155,47 +197,6 @@ class PrometheusExporter:
                         {"trace_id": ex.trace_id, "span_id": ex.span_id}, ex.value_s,
                         Timestamp(*divmod(ex.timestamp_ns, 10**9)))))
             fam.add_metric(list(labels), buckets, total)  # type: ignore[attr-defined]
-
-    def _live_values(self) -> tuple[dict[Any, Any], dict[Any, Any]]:
-        """Copies of the recorder's live (gauges, counters); the engine inserts meanwhile."""
-        snap = getattr(self.recorder, "metrics_snapshot", None)
-        if snap is not None:
-            return snap()
-        # dict(d) copies in one C call, so no insert can interleave with the iteration.
-        return (dict(getattr(self.recorder, "gauges", {})),
-                dict(getattr(self.recorder, "counters", {})))
-
-    def _live(self, values: dict[Any, Any], type_: str) -> dict[str, dict[Labels, float]]:
-        """Valid live entries by family; invalid keys counted once and logged once."""
-        out: dict[str, dict[Labels, float]] = {}
-        for key, v in values.items():
-            try:
-                name, labels = key
-                spec = _BY_NAME.get(name)
-                labels = tuple(str(x) for x in labels)
-                if spec is not None and spec.type == type_:
-                    if len(labels) == len(spec.labels) - 1 and spec.labels[:1] == ("model",):
-                        labels = (self.model, *labels)
-                    if len(labels) == len(spec.labels):
-                        series = out.setdefault(name, {})
-                        series[labels] = series.get(labels, 0) + float(v)
-                        continue
-            except (TypeError, ValueError):
-                pass
-            self._bad_key(key, type_)
-        return out
-
-    def _bad_key(self, key: Any, type_: str) -> None:
-        try:
-            marker = (type_, key)
-            if marker in self._bad_keys:
-                return
-            self._bad_keys.add(marker)
-        except TypeError:  # unhashable: count it every time rather than fail the scrape
-            pass
-        self.errors += 1
-        log.warning("kvscope prometheus: skipping live %s %r (not a catalogued %s with the "
-                    "catalogue's labels)", type_, key, type_)
 
     def _telemetry(self) -> dict[str, dict[Labels, float]]:
         """Self-metrics: recorder stats plus pipeline stats, each table/sink shown from 0."""

@@ -46,13 +46,15 @@ _ROW_COUNTERS: dict[str, tuple[str | None, dict[str, str]]] = {
     "kvscope_kv_load_failed_tokens_total": (
         "reason", {r: f"load_failed_{r}_tokens" for r in LOAD_FAIL_REASONS}),
     "kvscope_preempted_tokens_total": (None, {"": "preempted_tokens"}),
-    "kvscope_preemptions_total": (None, {"": "num_preemptions"}),
     "kvscope_kv_read_bytes_total": ("tier", {t: f"{t}_read_bytes" for t in ("host", "remote")}),
     "kvscope_kv_written_bytes_total": (
         "tier", {t: f"{t}_written_bytes" for t in ("host", "remote")}),
     "kvscope_h2d_bytes_total": (None, {"": "h2d_bytes"}),
 }
 REQUESTS_TOTAL = "kvscope_requests_total"
+#: Preemptions as the finished requests' rows count them: what the exporter shows only when no
+#: engine publishes its own (live) count, so a preemption is never counted twice.
+ROW_PREEMPTIONS = "num_preemptions"
 EVENTS_TOTAL = "kvscope_events_total"
 #: Every family this module derives from drained rows.
 DERIVED: frozenset[str] = frozenset((*_HISTOGRAMS, *_ROW_COUNTERS, REQUESTS_TOTAL, EVENTS_TOTAL))
@@ -128,6 +130,7 @@ class Snapshot:
     ttft_exemplars: dict[int, ExemplarData] = field(default_factory=dict)
     incomplete_requests: int = 0
     dropped_spans: int = 0
+    row_preemptions: int = 0
 
 
 def group_rows(cols: list[pa.ChunkedArray | pa.Array]) -> list[tuple[Labels, np.ndarray]]:
@@ -199,6 +202,8 @@ class MetricState:
         for name, (label, cols) in _ROW_COUNTERS.items():
             self.counters[name] = {(m if label is None else (model, v)): 0 for v in cols}
         self.ttft_exemplars: dict[int, ExemplarData] = {}
+        #: Preemptions summed over finished requests' rows (see ROW_PREEMPTIONS).
+        self.row_preemptions = 0
 
     def _add(self, name: str, labels: Labels, v: float) -> None:
         series = self.counters[name]
@@ -217,6 +222,7 @@ class MetricState:
         for name, (label, cols) in _ROW_COUNTERS.items():
             for value, col in cols.items():
                 self._add(name, m if label is None else (model, value), _sum(reqs[col]))
+        self.row_preemptions += _sum(reqs[ROW_PREEMPTIONS])
         arrival = _ns(reqs["arrival_ns"])
         first = _ns(reqs["first_token_ns"])
         finish = _ns(reqs["finish_ns"])
@@ -305,4 +311,5 @@ class MetricState:
             counters={k: dict(v) for k, v in self.counters.items()},
             histograms={k: h.snapshot() for k, h in self.histograms.items()},
             ttft_exemplars=dict(self.ttft_exemplars),
+            row_preemptions=self.row_preemptions,
         )

@@ -1,7 +1,9 @@
-"""The hot-path recorder the engine writes into (DESIGN.md section 4).
+"""The hot-path recorder the engine writes into (docs/DESIGN.md, "Hot path rules").
 
-Public surface: `Recorder`, `RequestAccounting`, the state codes (`STATE_CODE`), the clock codes
-(`CLOCK_CPU`, `CLOCK_CUDA`), `IntervalTimer` and `check_partition` for imported data.
+Public surface: `Recorder` (request states, activity/step/layer rows, events, samples and the
+engine's `EngineStatus`), `RequestAccounting`, the state codes (`STATE_CODE`), the clock codes
+(`CLOCK_CPU`, `CLOCK_CUDA`), `IntervalTimer` and `check_partition`. This is all of the agent an
+engine (ours, or an observer inside another one) imports.
 """
 
 from agent.schema import STATE_CODE, STATES
@@ -13,18 +15,23 @@ from agent.telemetry.recorder import (
     RecorderStats,
     RequestAccounting,
 )
+from agent.telemetry.status import BREAKER_STATES, EngineStatus, PoolStatus, RemoteStatus
 from agent.telemetry.timer import IntervalTimer, Mark
 
 __all__ = [
+    "BREAKER_STATES",
     "CLOCK_CPU",
     "CLOCK_CUDA",
     "STATES",
     "STATE_CODE",
+    "EngineStatus",
     "IntervalTimer",
     "Mark",
     "PartitionViolation",
+    "PoolStatus",
     "Recorder",
     "RecorderStats",
+    "RemoteStatus",
     "RequestAccounting",
     "check_partition",
 ]

@@ -35,6 +35,7 @@ from agent.telemetry.buffers import Chunk, SegmentedTable, pop_all
 from agent.telemetry.codes import CLOCK_CPU, CLOCK_CUDA, TIER_CODE
 from agent.telemetry.records import OtherRecords
 from agent.telemetry.states import RequestStates, _Open
+from agent.telemetry.status import EngineStatus
 
 __all__ = ["CLOCK_CPU", "CLOCK_CUDA", "TIER_CODE", "Recorder", "RecorderStats",
            "RequestAccounting"]
@@ -140,10 +141,8 @@ class Recorder(RequestStates, OtherRecords):
         for n in (*STATES, *STEP_PHASES):
             self.intern(n)
         self.stats = RecorderStats()
-        #: Live Prometheus-style instruments, read by the exporters' collectors (read them
-        #: through `metrics_snapshot()`: iterating the live dicts races with inserts).
-        self.gauges: dict[tuple[str, tuple[str, ...]], float] = {}
-        self.counters: dict[tuple[str, tuple[str, ...]], float] = {}
+        #: The engine's latest self-report (`publish`); None until it publishes one.
+        self.status: EngineStatus | None = None
         #: Extra range annotators (the torch profiler under --profile): slow path only.
         self.annotators: list[Any] = []
         self.nvtx: NvtxAnnotator | None = None
@@ -170,6 +169,11 @@ class Recorder(RequestStates, OtherRecords):
     def bind_thread(self) -> None:
         """Make the calling thread the recorder's owner (the engine loop's thread)."""
         self._owner = threading.get_ident()
+
+    def publish(self, status: EngineStatus) -> None:
+        """(Any thread) the engine's status now; replaces the previous one in one store, so a
+        reader (an exporter's scrape) always sees one whole snapshot."""
+        self.status = status
 
     def add_annotator(self, annotator: Any) -> None:
         """Also emit request-stage ranges to `annotator` (start(name, payload)/end(id))."""

@@ -1,4 +1,4 @@
-"""Activity spans, step spans, layer rows, events, samples and live instruments.
+"""Activity spans, step spans, layer rows, events and samples.
 
 Unlike request states these may come from any thread: the owner thread writes the columnar
 segments directly, other threads queue rows validated in C (`array('q')`) for the drain, with
@@ -34,8 +34,6 @@ class OtherRecords:
     _max_rows: int
     _clock: Any
     nvtx: Any
-    gauges: dict[tuple[str, tuple[str, ...]], float]
-    counters: dict[tuple[str, tuple[str, ...]], float]
 
     def intern(self, name: str) -> int: ...
     def _error(self) -> None: ...
@@ -217,24 +215,3 @@ class OtherRecords:
             self._samples.append((t, source, entity, metric, value, unit))
         except Exception:
             self._error()
-
-    def set_gauge(self, name: str, value: float, labels: tuple[str, ...] = ()) -> None:
-        """A live gauge for the Prometheus exporter (a catalogued name, label values in order)."""
-        self.gauges[(name, labels)] = value
-
-    def count(self, name: str, n: float = 1, labels: tuple[str, ...] = ()) -> None:
-        """(Owner thread) increase a live counter for the Prometheus exporter."""
-        key = (name, labels)
-        self.counters[key] = self.counters.get(key, 0) + n
-
-    def set_counter(self, name: str, value: float, labels: tuple[str, ...] = ()) -> None:
-        """(One publishing thread per series) set a live counter to an absolute cumulative
-        value, for counts kept elsewhere (e.g. by tier worker threads) and published by the
-        engine loop: a plain store, so it never races with a reader's copy, and the value
-        only moves forward as long as one thread publishes a monotonic source."""
-        self.counters[(name, labels)] = value
-
-    def metrics_snapshot(self) -> tuple[dict[tuple[str, tuple[str, ...]], float],
-                                        dict[tuple[str, tuple[str, ...]], float]]:
-        """Copies of (gauges, counters), safe to iterate while the engine keeps recording."""
-        return dict(self.gauges), dict(self.counters)  # dict(d) copies in one C call

@@ -9,14 +9,6 @@ from instrumented_engine.core.block_pool import BlockPool, KVBlock
 from instrumented_engine.core.request import Request
 
 
-def lookup_tokens(prompt_len: int, block_size: int) -> int:
-    """Prompt tokens in full blocks, capped at `prompt_len - 1` (the denominator of hit ratios).
-
-    The last prompt token is always computed, to produce the first token's logits.
-    """
-    return max(0, min((prompt_len // block_size) * block_size, prompt_len - 1))
-
-
 class KVCacheManager:
     """Allocates and frees a request's blocks in a `BlockPool` and finds cached prefixes.
 

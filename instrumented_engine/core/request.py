@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from agent.telemetry import RequestAccounting
 from instrumented_engine.core.block_hash import BlockHash
 from instrumented_engine.core.block_pool import KVBlock
+
+if TYPE_CHECKING:
+    from instrumented_engine.tiers.plan import TierPlan
 
 
 @dataclass(slots=True, frozen=True)
@@ -43,14 +46,11 @@ class RequestStatus(enum.Enum):
 class Request:
     """One request. `token_ids` holds the prompt followed by the outputs so far.
 
-    Accounting (DESIGN.md section 2) is kept in `acct` whether or not telemetry is on:
-    `admitted_hit_tokens` is what the latest admission did not compute (device hits and
-    blocks loaded from the host/remote tiers); before the first token,
-    each admission resets `acct.device_hit_tokens` (and the loaded tokens) and
-    `acct.recomputed_tokens` to 0, and
-    every computed prompt token adds to `recomputed_tokens`, so at the first token
-    `prompt_tokens == device_hit_tokens + host_loaded_tokens + remote_loaded_tokens +
-    recomputed_tokens`.
+    `state` (the recorder state code the request is in) and `acct` (its accounting, kept
+    whether or not telemetry is on) are written by `instrumented_engine.lifecycle` only; the
+    scheduler owns `status`, `blocks`, `num_computed_tokens` and `admitted_hit_tokens` (what
+    the latest admission did not compute: device hits and blocks loaded from the tiers), the
+    tiers own `tier`.
     """
 
     __slots__ = (
@@ -89,7 +89,7 @@ class Request:
         self.first_token_ns = -1
         self.finish_ns = -1
         self.admitted_hit_tokens = 0
-        self.tier: Any = None  # the tier flow's per-request plan (instrumented_engine.tier_flow)
+        self.tier: TierPlan | None = None  # the tiers' plan for it (tiers.flow.TierFlow)
         self.acct = RequestAccounting(prompt_tokens=self.prompt_len)
 
     @property

@@ -1,38 +1,41 @@
-"""KV tiers beyond the device pool: the host block pool and the remote store (file or Redis),
-with the failure machinery (timeouts, retries, circuit breaker, fault injection) and the
-write-behind queue.
+"""The KV tiers beyond the device pool, and how a request moves through them.
 
-Modules: `format` (block object header + payload), `host` (HostKVPool), `remote` (RemoteStore,
-open_remote), `file_store`, `redis_store`, `resilient` (ResilientRemote), `breaker`, `faults`,
-`staging` (remote → host prefetch), `writeback` (WriteBehind), `stats` (plain counters).
-Importing this package does not import redis: `open_remote` loads the backend it needs.
+    config.py     TierConfig: host size, remote URL, resilience, faults
+    build.py      build_tiers(): the stores and workers of a TierConfig (a TierStack)
+    flow.py       TierFlow: arrival lookup → prefetch → admission (remote_read, h2d) → sync →
+                  write-behind; tells the request lifecycle what happened
+    plan.py       TierPlan: one request's promise, reads, held blocks and copy (Request.tier)
+    prefetch.py   Prefetcher: remote → host staging reads started at arrival
+    h2d.py        H2DCopier: host → device copies, layer by layer, with per-layer timings
+    host.py       HostKVPool: the host tier (pinned on CUDA), its own digest index and LRU
+    offload.py    EvictionOffload: device evictions saved to the host tier
+    writeback.py  WriteBehind: new blocks to host/remote off the critical path
+    remote.py     ResilientRemote: deadlines, retries, circuit breaker, failure reasons
+    breaker.py    CircuitBreaker
+    faults.py     FaultyRemote: injected latency, errors, corruption, outages (--fault)
+    format.py     the stored form of one block (header + payload), checks
+    stats.py      plain counters of every component (the exporters read them)
+    protocol.py   KVTier (arrival half) and TierLoader (admission half) seams
+    stores/       raw remote backends: file:// (stores.file), redis:// (stores.redis)
 
-The engine uses them through instrumented_engine.tier_flow.TierFlow (`LLMEngine(tier_config=
-TierConfig(...))`, `kvscope run --host-blocks N --remote URL --fault ...`). Its building blocks
-(one engine, one layout)::
+The engine builds all of this from `LLMEngine(tier_config=TierConfig(...))` (`kvscope run
+--host-blocks N --remote URL --fault ...`). The building blocks, for one engine::
 
-    layout = BlockLayout.from_kv_caches(runner.kv_caches)
-    host = HostKVPool(layout, host_blocks, recorder=rec)              # KVTier "host"
-    raw = open_remote(url)                                            # file:// or redis://
-    spec = parse_faults(fault_flags, seed)                            # --fault, repeatable
-    store = FaultyRemote(raw, spec, recorder=rec) if spec.active else raw
-    remote = ResilientRemote(store, layout, ResilienceConfig(), recorder=rec,
-                             model=model_id)                          # KVTier "remote"
-    writer = WriteBehind(host, remote, capacity=256)
-
-    # arrival (any thread): promised hits, after the device's n_dev blocks
-    n_host = host.lookup(hashes, n_dev); n_rem = remote.lookup(hashes, n_dev + n_host)
-    # prefetch / admission: remote → host staging (statuses per block, None = loaded)
-    res = prefetch_into_host(remote, host, hashes[a:b], req.namespace, transfer_id=tid)
-    # H2D: view = host.acquire(h); scatter_layer(kv_caches, block_id, view, layer); release(h)
-    # new full block: writer.submit(h, req.namespace, gather_block(kv_caches, block_id))
+    stack = build_tiers(TierConfig(host_blocks=64, remote="file:///tmp/kv"), kv_caches,
+                        recorder=rec)
+    stack.host.lookup(hashes, n_dev)                      # KVTier "host"
+    stack.remote.lookup(hashes, n_dev + n_host)           # KVTier "remote"
+    prefetch_into_host(stack.remote, stack.staging, hashes[a:b], ns, transfer_id=tid)
+    stack.writer.submit(h, ns, gather_block(kv_caches, block_id))
 
 Failed blocks carry their reason (agent.schema.LOAD_FAIL_REASONS) for load_failed_*_tokens.
+Importing this package does not import redis: `open_remote` loads the backend it needs.
 """
 
 from __future__ import annotations
 
 from instrumented_engine.tiers.breaker import BreakerConfig, CircuitBreaker
+from instrumented_engine.tiers.config import HOST_WRITES, TierConfig
 from instrumented_engine.tiers.faults import FaultSpec, FaultyRemote, parse_faults
 from instrumented_engine.tiers.format import (
     BlockLayout,
@@ -43,15 +46,15 @@ from instrumented_engine.tiers.format import (
     scatter_layer,
 )
 from instrumented_engine.tiers.host import HostKVPool, HostPoolFull
-from instrumented_engine.tiers.remote import RemoteError, RemoteStore, RemoteTimeout, open_remote
-from instrumented_engine.tiers.resilient import ReadResult, ResilienceConfig, ResilientRemote
-from instrumented_engine.tiers.staging import prefetch_into_host
+from instrumented_engine.tiers.prefetch import prefetch_into_host
+from instrumented_engine.tiers.remote import ReadResult, ResilienceConfig, ResilientRemote
+from instrumented_engine.tiers.stores import RemoteError, RemoteStore, RemoteTimeout, open_remote
 from instrumented_engine.tiers.writeback import WriteBehind
 
 __all__ = [
-    "BlockLayout", "BreakerConfig", "CircuitBreaker", "CorruptObject", "FaultSpec",
-    "FaultyRemote", "HostKVPool", "HostPoolFull", "ReadResult", "RemoteError", "RemoteStore",
-    "RemoteTimeout", "ResilienceConfig", "ResilientRemote", "WriteBehind", "decode_into",
-    "encode", "gather_block", "open_remote", "parse_faults", "prefetch_into_host",
-    "scatter_layer",
+    "HOST_WRITES", "BlockLayout", "BreakerConfig", "CircuitBreaker", "CorruptObject",
+    "FaultSpec", "FaultyRemote", "HostKVPool", "HostPoolFull", "ReadResult", "RemoteError",
+    "RemoteStore", "RemoteTimeout", "ResilienceConfig", "ResilientRemote", "TierConfig",
+    "WriteBehind", "decode_into", "encode", "gather_block", "open_remote", "parse_faults",
+    "prefetch_into_host", "scatter_layer",
 ]

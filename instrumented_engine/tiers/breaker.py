@@ -7,7 +7,7 @@
 While open, operations are refused without touching the backend (counted as `circuit_open`),
 so a dead Redis costs nothing per request instead of a timeout per request. Every transition is
 reported through `on_change(old, new, t_ns)` so the engine can record `circuit_open` /
-`circuit_close` events and the `kvscope_remote_breaker_open` gauge.
+`circuit_close` events; its state is part of the engine's status.
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ from typing import Any
 
 from agent.errors import InputError
 from instrumented_engine.tiers.format import HEADER_SIZE
-from instrumented_engine.tiers.remote import RemoteError, RemoteStore, chain_lookup
 from instrumented_engine.tiers.stats import OpStats
+from instrumented_engine.tiers.stores import RemoteError, RemoteStore, chain_lookup
 
 _UNITS_S = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0}
 _DURATION = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(ns|us|ms|s|m)$")

@@ -1,96 +1,366 @@
-"""The remote tier's interface and `open_remote(url)`.
+"""The remote tier as the engine sees it: any `RemoteStore` (tiers.stores) behind timeouts,
+retries, a circuit breaker, and every failure classified by reason (agent.schema.LOAD_FAIL_REASONS).
 
-A `RemoteStore` is a raw key-value backend of block objects keyed by chain digest (format.py
-gives the bytes). It raises on failure; classifying failures, timeouts, retries and the circuit
-breaker live in resilient.py, which wraps any store, and fault injection in faults.py.
+Each backend operation runs on a small worker pool and is awaited with a deadline. A read
+decodes into caller-owned destination tensors *inside* the worker, so after a timeout the worker
+may still write into them: the result then carries the pending future, and the caller must not
+reuse those buffers until `ReadResult.when_buffers_free` fires (the read completed late — counted
+as `late_completions` — or was cancelled before it started). A timed-out read is therefore not
+retried into the same buffers; backend errors are retried up to `retries` times.
+
+Failures per block: `evicted` (promised by the lookup but gone at read time), `checksum` (the
+object failed format.check), and for a whole operation `timeout`, `error`, `circuit_open`.
+Timeouts and errors feed the breaker; corrupt objects do not (the backend is up).
+
+Counters (`stats`): `failures` are failed backend *attempts* by reason (timeout, error,
+circuit_open: what the op counters and breaker see); `blocks_failed_<reason>` counts blocks not
+loaded by reason (all five LOAD_FAIL_REASONS); `corrupt_<field>` says which check failed;
+`outcomes` counts each lookup/read/write once by its outcome (agent.schema.REMOTE_OP_OUTCOMES),
+which the engine reports in its `EngineStatus` (the exporters name them).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
-from urllib.parse import urlparse
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any
 
-from agent.errors import InputError
+import numpy as np
+import torch
 
+from instrumented_engine.tiers import format as fmt
+from instrumented_engine.tiers.breaker import CLOSED, OPEN, BreakerConfig, CircuitBreaker
+from instrumented_engine.tiers.stats import OpStats
+from instrumented_engine.tiers.stores import RemoteError, RemoteStore, RemoteTimeout
 
-class RemoteError(Exception):
-    """A backend operation failed (connection refused, I/O error, server error)."""
+log = logging.getLogger(__name__)
 
-
-class RemoteTimeout(RemoteError):
-    """A backend operation ran past its timeout (socket timeout or the wrapper's deadline)."""
-
-
-@runtime_checkable
-class RemoteStore(Protocol):
-    """A store of block objects keyed by 32-byte chain digest."""
-
-    name: str
-
-    def exists_many(self, block_hashes: Sequence[bytes]) -> list[bool]:
-        """Whether each digest is stored (one batched round trip where the backend allows)."""
-        ...
-
-    def lookup(self, block_hashes: Sequence[bytes], start: int = 0) -> int:
-        """Contiguous blocks held from `block_hashes[start]` on (0 when the first is missing)."""
-        ...
-
-    def read_many(self, block_hashes: Sequence[bytes]) -> list[bytes | None]:
-        """The objects of `block_hashes` in order, None for each one not stored."""
-        ...
-
-    def write(self, block_hash: bytes, data: bytes) -> None:
-        """Store one object (atomically: readers see all of it or nothing)."""
-        ...
-
-    def close(self) -> None:
-        """Release connections and files."""
-        ...
+#: The status of a block that loaded.
+LOADED = None
 
 
-def chain_lookup(store: RemoteStore, block_hashes: Sequence[bytes], start: int,
-                 batch: int) -> int:
-    """Longest contiguous prefix held, probing the chain in batches of `batch` digests.
-
-    Batches keep a long chain to a few round trips while not asking about the tail of a chain
-    whose head already missed.
+@dataclass(slots=True, frozen=True)
+class ResilienceConfig:
+    """Attributes:
+        timeout_s: deadline of one backend operation (> 0).
+        retries: extra attempts after a backend error (>= 0; timeouts are not retried).
+        breaker: circuit breaker thresholds.
+        workers: threads running backend operations (>= 1).
     """
-    n = 0
-    for lo in range(start, len(block_hashes), batch):
-        found = store.exists_many(block_hashes[lo:lo + batch])
-        for f in found:
-            if not f:
-                return n
-            n += 1
-    return n
+
+    timeout_s: float = 0.5
+    retries: int = 1
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    workers: int = 4
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise ValueError(f"ResilienceConfig.timeout_s must be > 0, got {self.timeout_s!r}")
+        if not isinstance(self.retries, int) or not 0 <= self.retries <= 10:
+            raise ValueError(f"ResilienceConfig.retries must be an int in [0, 10], "
+                             f"got {self.retries!r}")
+        if not isinstance(self.workers, int) or not 1 <= self.workers <= 64:
+            raise ValueError(f"ResilienceConfig.workers must be an int in [1, 64], "
+                             f"got {self.workers!r}")
 
 
-def open_remote(url: str, *, timeout_s: float = 1.0) -> RemoteStore:
-    """A store from a `--remote` URL: `file://DIR` or `redis://HOST:PORT/DB`.
+@dataclass(slots=True)
+class ReadResult:
+    """The outcome of `ResilientRemote.read_into`.
+
+    Attributes:
+        statuses: per block, None when loaded into its destination, else the failure reason
+            (evicted, checksum, timeout, error, circuit_open).
+        nbytes: object bytes read from the backend.
+        transfer_id: the id of the `remote_read` activity span (-1 without a recorder).
+        start_ns, end_ns: the operation's interval on the monotonic clock.
+    """
+
+    statuses: list[str | None]
+    nbytes: int = 0
+    transfer_id: int = -1
+    start_ns: int = 0
+    end_ns: int = 0
+    pending: Future[Any] | None = field(default=None, repr=False)
+
+    @property
+    def loaded(self) -> int:
+        """Blocks loaded."""
+        return sum(s is LOADED for s in self.statuses)
+
+    def failed_by_reason(self) -> dict[str, int]:
+        """Failed blocks by reason."""
+        out: dict[str, int] = {}
+        for s in self.statuses:
+            if s is not None:
+                out[s] = out.get(s, 0) + 1
+        return out
+
+    def buffers_free(self) -> bool:
+        """Whether the destination tensors may be reused now."""
+        return self.pending is None or self.pending.done()
+
+    def when_buffers_free(self, callback: Callable[[], None]) -> None:
+        """Call `callback` (possibly on a worker thread) once no read writes the destinations."""
+        if self.pending is None:
+            callback()
+        else:
+            self.pending.add_done_callback(lambda _f: callback())
+
+
+class ResilientRemote:
+    """Wraps a raw `RemoteStore`; never raises backend failures, returns them classified.
 
     Args:
-        url: the URL; a file store's directory is created when absent.
-        timeout_s: socket timeout of network backends.
-
-    Raises:
-        InputError: the URL's scheme or parts are not supported (message names `--remote`).
+        store: the raw (possibly fault-injecting) store.
+        layout: the engine's block layout (objects are checked against it).
+        config: timeouts, retries, breaker.
+        recorder: optional agent.telemetry.Recorder: activity spans (`remote_lookup`,
+            `remote_read`, `remote_write`) and breaker events (`circuit_open`,
+            `circuit_close`).
+        on_breaker_change: extra callback (old, new, t_ns) on breaker transitions.
+        clock: monotonic ns (the breaker's cool-down and the spans).
     """
-    u = urlparse(url)
-    if u.scheme == "file":
-        path = (u.netloc + u.path) if u.netloc else u.path
-        if not path:
-            raise InputError(f"--remote {url!r}: file:// URL needs a directory (file:///DIR)")
-        from instrumented_engine.tiers.file_store import FileStore
-        return FileStore(path)
-    if u.scheme == "redis":
-        try:
-            port = u.port or 6379
-        except ValueError as e:
-            raise InputError(f"--remote {url!r}: bad port ({e})") from None
-        db_text = u.path.lstrip("/") or "0"
-        if not db_text.isdigit():
-            raise InputError(f"--remote {url!r}: database must be an integer, got {db_text!r}")
-        from instrumented_engine.tiers.redis_store import RedisStore
-        return RedisStore(u.hostname or "127.0.0.1", port, int(db_text), timeout_s=timeout_s)
-    raise InputError(f"--remote {url!r}: scheme must be file:// or redis://")
+
+    name = "remote"
+
+    def __init__(self, store: RemoteStore, layout: fmt.BlockLayout,
+                 config: ResilienceConfig = ResilienceConfig(), *, recorder: Any = None,
+                 on_breaker_change: Callable[[str, str, int], None] | None = None,
+                 clock: Callable[[], int] = time.monotonic_ns) -> None:
+        self.store = store
+        self.layout = layout
+        self.config = config
+        self.recorder = recorder
+        self.clock = clock
+        self.stats = OpStats()
+        self._user_on_change = on_breaker_change
+        self.breaker = CircuitBreaker(config.breaker, on_change=self._breaker_changed,
+                                      clock=clock)
+        self._pool = ThreadPoolExecutor(config.workers, thread_name_prefix="kvscope-remote")
+        self._closed = threading.Event()
+
+    # ------------------------------------------------------------------ breaker plumbing
+    def _breaker_changed(self, old: str, new: str, t_ns: int) -> None:
+        self.stats.add(f"breaker_{new}")
+        if self.recorder is not None:
+            # Events pair up as open/close intervals; a failed half-open probe (half_open →
+            # open) keeps the circuit open and is only counted (`breaker_open` in stats).
+            if new == OPEN and old == CLOSED:
+                self.recorder.event("circuit_open", t=t_ns, source="remote",
+                                    detail={"failures": self.breaker.consecutive_failures})
+            elif new == CLOSED:
+                self.recorder.event("circuit_close", t=t_ns, source="remote")
+        if self._user_on_change is not None:
+            self._user_on_change(old, new, t_ns)
+
+    @staticmethod
+    def _reason(e: BaseException) -> str:
+        return "timeout" if isinstance(e, (RemoteTimeout, FutureTimeout)) else "error"
+
+    def _run(self, op: str, fn: Callable[[], Any]) -> tuple[Any, str | None, Future[Any] | None]:
+        """Run `fn` on the pool under the breaker, deadline and retries.
+
+        Returns:
+            (value, None, None) on success, or (None, reason, still-running future or None).
+        """
+        if self._closed.is_set():
+            self.stats.fail("error")
+            return None, "error", None
+        if not self.breaker.allow():
+            self.stats.fail("circuit_open")
+            return None, "circuit_open", None
+        reason = "error"
+        for attempt in range(self.config.retries + 1):
+            if attempt:
+                self.stats.add("retries")
+            t0 = self.clock()
+            fut = self._pool.submit(fn)
+            try:
+                value = fut.result(timeout=self.config.timeout_s)
+            except FutureTimeout:
+                if fut.cancel():
+                    self.stats.add("cancelled")
+                    fut = None
+                else:
+                    fut.add_done_callback(self._late)
+                self.stats.fail("timeout")
+                self.breaker.record_failure()
+                return None, "timeout", fut
+            except (RemoteError, OSError, CancelledError) as e:
+                reason = self._reason(e)
+                self.stats.fail(reason)
+                if reason == "timeout":  # a socket timeout: the backend is slow, do not pile on
+                    break
+                continue
+            except Exception:
+                # A bug below us (not a backend failure): the engine recomputes instead of
+                # crashing, and the traceback is logged for whoever reads the logs.
+                log.exception("remote %s failed unexpectedly", op)
+                self.stats.fail("error")
+                self.stats.add("unexpected_errors")
+                reason = "error"
+                break
+            self.stats.op(op, self.clock() - t0)
+            self.breaker.record_success()
+            return value, None, None
+        self.breaker.record_failure()
+        return None, reason, None
+
+    def _late(self, fut: Future[Any]) -> None:
+        if not fut.cancelled():
+            self.stats.add("late_completions")
+
+    def _span(self, name: str, t0: int, t1: int, tokens: int, nbytes: int,
+              transfer_id: int, request_num: int = -1) -> None:
+        if self.recorder is not None:
+            self.recorder.activity(name, t0, t1, request_num=request_num, tier="remote",
+                                   tokens=tokens, nbytes=nbytes, transfer_id=transfer_id)
+
+    # ------------------------------------------------------------------ operations
+    def lookup(self, block_hashes: Sequence[bytes], start: int = 0) -> int:
+        """Contiguous blocks the remote holds from `start` on; 0 on any failure or while the
+        breaker is open (the request then recomputes: a promise the tier cannot keep is worse
+        than none)."""
+        if start >= len(block_hashes):
+            return 0
+        t0 = self.clock()
+        n, reason, _ = self._run("lookup", lambda: self.store.lookup(block_hashes, start))
+        self.stats.outcome("lookup", reason or "ok")
+        if reason is not None:
+            self.stats.add(f"lookup_failed_{reason}")
+            return 0
+        self.stats.add("lookup_blocks", len(block_hashes) - start)
+        self.stats.add("lookup_hit_blocks", n)
+        if self.recorder is not None:
+            self._span("remote_lookup", t0, self.clock(), n * self.layout.block_size, -1,
+                       self.recorder.new_transfer_id())
+        return int(n)
+
+    def read_into(self, block_hashes: Sequence[bytes], namespace: bytes,
+                  dests: Sequence[torch.Tensor | np.ndarray], *,
+                  transfer_id: int | None = None, request_num: int = -1) -> ReadResult:
+        """Read, check and copy blocks into `dests` (one payload-shaped CPU tensor each).
+
+        Args:
+            block_hashes: the digests to load, in chain order.
+            namespace: the request's namespace digest (checked against each header).
+            dests: destination blocks: payload-shaped contiguous CPU tensors (host pool slots,
+                staging blocks) or their `format.byte_view`s (cheaper per block).
+            transfer_id: the id for the activity span (a new one when None and a recorder is
+                set), so the caller can list it in `waits_on` before the read ends.
+
+        Returns:
+            A `ReadResult`; when it is not `buffers_free()`, `dests` must not be reused until
+            `when_buffers_free` fires.
+        """
+        if len(dests) != len(block_hashes):
+            raise ValueError("read_into needs one destination per block hash")
+        rows = [fmt.dest_bytes(d, self.layout) for d in dests]  # misuse raises here, not later
+        if transfer_id is None:
+            transfer_id = -1 if self.recorder is None else self.recorder.new_transfer_id()
+        t0 = self.clock()
+        layout = self.layout
+
+        read_in_place = getattr(self.store, "read_into", None)
+
+        def op() -> tuple[list[str | None], int]:
+            if read_in_place is not None:
+                return self._read_in_place(read_in_place, block_hashes, namespace, rows)
+            objs = self.store.read_many(block_hashes)
+            statuses: list[str | None] = []
+            nbytes = 0
+            for data, dest in zip(objs, rows, strict=True):
+                if data is None:
+                    statuses.append("evicted")
+                    continue
+                nbytes += len(data)
+                try:
+                    fmt.decode_into(data, layout, namespace, dest)
+                except fmt.CorruptObject as e:
+                    self.stats.add(f"corrupt_{e.reason}")
+                    statuses.append("checksum")
+                    continue
+                statuses.append(LOADED)
+            return statuses, nbytes
+
+        value, reason, pending = self._run("read", op)
+        t1 = self.clock()
+        if reason is not None:
+            res = ReadResult([reason] * len(block_hashes), 0, transfer_id, t0, t1, pending)
+        else:
+            statuses, nbytes = value
+            res = ReadResult(statuses, nbytes, transfer_id, t0, t1)
+        # A read that reached the backend but returned a corrupt object is a `checksum`
+        # outcome; a promised object that is gone (`evicted`) is not a backend failure.
+        outcome = reason or ("checksum" if "checksum" in res.statuses else "ok")
+        self.stats.outcome("read", outcome)
+        for r, n in res.failed_by_reason().items():
+            self.stats.add(f"blocks_failed_{r}", n)
+        self.stats.add("bytes_read", res.nbytes)
+        self.stats.add("blocks_loaded", res.loaded)
+        # A failed read is a transfer too (it is what a `remote_read` state waited on).
+        self._span("remote_read", t0, t1, res.loaded * layout.block_size, res.nbytes,
+                   transfer_id, request_num)
+        return res
+
+    def _read_in_place(self, read_in_place: Callable[..., int | None],
+                       block_hashes: Sequence[bytes], namespace: bytes,
+                       dests: Sequence[np.ndarray]) -> tuple[list[str | None], int]:
+        """Stores that can read into a buffer (files): each payload lands in its destination
+        with no intermediate copy. A failed block's destination then holds whatever was read
+        (the caller discards failed blocks anyway)."""
+        header = bytearray(fmt.HEADER_SIZE)
+        statuses: list[str | None] = []
+        nbytes = 0
+        for h, dest in zip(block_hashes, dests, strict=True):
+            body = dest
+            total = read_in_place(h, header, body)
+            if total is None:
+                statuses.append("evicted")
+                continue
+            nbytes += min(total, self.layout.object_bytes)
+            try:
+                fmt.check_split(header, body, total, self.layout, namespace)
+            except fmt.CorruptObject as e:
+                self.stats.add(f"corrupt_{e.reason}")
+                statuses.append("checksum")
+                continue
+            statuses.append(LOADED)
+        return statuses, nbytes
+
+    def write(self, block_hash: bytes, namespace: bytes, payload: torch.Tensor) -> str | None:
+        """Encode and store one block.
+
+        Returns:
+            None when stored, else the failure reason (timeout, error, circuit_open).
+        """
+        data = fmt.encode(self.layout, namespace, payload)
+        return self.write_object(block_hash, data)
+
+    def write_object(self, block_hash: bytes, data: bytes) -> str | None:
+        """Store already-encoded object bytes; returns None or the failure reason."""
+        t0 = self.clock()
+        _, reason, _ = self._run("write", lambda: self.store.write(block_hash, data))
+        self.stats.outcome("write", reason or "ok")
+        if reason is not None:
+            self.stats.add(f"write_failed_{reason}")
+            return reason
+        self.stats.add("bytes_written", len(data))
+        if self.recorder is not None:
+            self._span("remote_write", t0, self.clock(), self.layout.block_size, len(data),
+                       self.recorder.new_transfer_id())
+        return None
+
+    def close(self) -> None:
+        """Stop the workers (running operations finish in the background) and the store."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.store.close()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from instrumented_engine.tiers.host import HostKVPool
-from instrumented_engine.tiers.resilient import ResilientRemote
+from instrumented_engine.tiers.remote import ResilientRemote
 from instrumented_engine.tiers.stats import OpStats
 
 log = logging.getLogger(__name__)

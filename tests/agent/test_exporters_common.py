@@ -14,7 +14,7 @@ from agent.clock import ClockAnchor
 from agent.exporters.assembly import RequestAssembler
 from agent.exporters.ids import span_id_for, span_id_hex, trace_id_for, trace_id_hex
 from agent.schema import STATE_CODE
-from agent.telemetry import Recorder, RequestAccounting
+from agent.telemetry import EngineStatus, PoolStatus, Recorder, RequestAccounting
 
 MS = 1_000_000
 WALL = 1_700_000_000_000_000_000  # epoch ns of monotonic 0 in these tests
@@ -92,7 +92,7 @@ def _run(rec: Recorder, exp: Expected, rid: str, arrival: int,
 
 def record_workload(rec: Recorder) -> Expected:
     """Four requests (a full KV-tier path, chunked prefill, an error, a preempted abort), KV
-    transfers with tiers, engine steps, events and live gauges/counters."""
+    transfers with tiers, engine steps, events and the engine's published status."""
     exp = Expected()
     tid = rec.new_transfer_id()
     _run(rec, exp, "req-a", 1000,
@@ -145,9 +145,9 @@ def record_workload(rec: Recorder) -> Expected:
     rec.event("circuit_open", t=1021 * MS, source="remote")
     exp.events = {("engine", "eviction"): 2, ("engine", "preemption"): 1,
                   ("remote", "circuit_open"): 1}
-    rec.set_gauge("kvscope_requests_running", 2)
-    rec.set_gauge("kvscope_block_pool_blocks", 100, ("device", "in_use"))
-    rec.set_gauge("kvscope_block_pool_blocks", 28, (MODEL, "device", "cached_free"))
+    # The engine's self-report after its last step (one preemption: req-d's).
+    rec.publish(EngineStatus(running=2, waiting=1, preemptions=1,
+                             pools=(PoolStatus("device", in_use=100, cached_free=28, empty=0),)))
     return exp
 
 

@@ -20,6 +20,7 @@ from prometheus_client.samples import Timestamp
 from agent.exporters.ids import span_id_for, span_id_hex, trace_id_for, trace_id_hex
 from agent.exporters.prometheus import PrometheusExporter, serve_metrics
 from agent.schema import LATENCY_BUCKETS_S, TTFT_STAGES, catalogued_series
+from agent.telemetry import EngineStatus, PoolStatus, RemoteStatus
 from tests.agent.test_exporters_common import (
     MODEL,
     RUN_ID,
@@ -177,28 +178,49 @@ def test_counters_from_request_rows_and_events() -> None:
         assert get(smp, "kvscope_events_total", **m, source=source, name=name) == n
 
 
-def test_live_gauges_and_counters_only_catalogued_with_the_right_labels() -> None:
+def test_engine_status_becomes_the_live_series() -> None:
     rec = make_recorder()
-    record_workload(rec)  # sets requests_running (model left out) and block pool gauges
-    rec.count("kvscope_preemptions_total", 2)  # adds to the series derived from rows
-    rec.count("kvscope_not_in_catalogue_total")
-    rec.set_gauge("kvscope_requests_waiting", 1, ("a", "b", "c"))  # wrong label count
-    rec.set_gauge("kvscope_requests_total", 5, (MODEL, "ok"))  # a counter set as a gauge
+    record_workload(rec)  # publishes running 2, waiting 1, 1 preemption, the device pool
     prom = PrometheusExporter(rec, model=MODEL)
     prom.export(rec.drain())
     smp = samples(prom.registry)
     assert get(smp, "kvscope_requests_running", model=MODEL) == 2
-    assert get(smp, "kvscope_block_pool_blocks", model=MODEL, tier="device",
-               state="in_use") == 100
-    assert get(smp, "kvscope_block_pool_blocks", model=MODEL, tier="device",
-               state="cached_free") == 28
-    assert get(smp, "kvscope_preemptions_total", model=MODEL) == 3
-    assert get(smp, "kvscope_requests_total", model=MODEL, status="ok") == 2
-    assert not any(n == "kvscope_requests_waiting" for n, _ in smp)
-    # Three bad keys, each counted once however often it is scraped.
+    assert get(smp, "kvscope_requests_waiting", model=MODEL) == 1
+    for state, v in (("in_use", 100), ("cached_free", 28), ("empty", 0)):
+        assert get(smp, "kvscope_block_pool_blocks", model=MODEL, tier="device",
+                   state=state) == v
+    # No remote tier: no remote series at all.
+    assert not any(n.startswith("kvscope_remote_") for n, _ in smp)
+    rec.publish(EngineStatus(
+        running=0, waiting=0, preemptions=4,
+        pools=(PoolStatus("device", 0, 120, 8), PoolStatus("host", 1, 30, 33)),
+        remote=RemoteStatus("open", {("read", "timeout"): 7, ("lookup", "ok"): 2})))
     smp = samples(prom.registry)
-    assert get(smp, "kvscope_telemetry_export_errors_total", exporter="prometheus") == 3
-    assert prom.errors == 3
+    assert get(smp, "kvscope_block_pool_blocks", model=MODEL, tier="host", state="empty") == 33
+    assert get(smp, "kvscope_remote_breaker_open", model=MODEL) == 1
+    ops = {(dict(lbl)["op"], dict(lbl)["outcome"]): v for (n, lbl), v in smp.items()
+           if n == "kvscope_remote_operations_total"}
+    assert len(ops) == 13 and ops[("read", "timeout")] == 7 and ops[("lookup", "ok")] == 2
+    assert ops[("write", "error")] == 0 and ("write", "checksum") not in ops
+
+
+def test_preemptions_are_counted_once() -> None:
+    """The engine's live count replaces the rows' count; the two are never added (7
+    preemptions once exported 14)."""
+    rec = make_recorder()
+    record_workload(rec)  # one preempted request row, and a status saying 1
+    prom = PrometheusExporter(rec, model=MODEL)
+    prom.export(rec.drain())
+    assert get(samples(prom.registry), "kvscope_preemptions_total", model=MODEL) == 1
+    rec.publish(EngineStatus(preemptions=7))
+    assert get(samples(prom.registry), "kvscope_preemptions_total", model=MODEL) == 7
+    # With no engine publishing (a replayed batch), the rows' count is the counter.
+    bare = make_recorder()
+    record_workload(bare)
+    bare.status = None
+    prom = PrometheusExporter(bare, model=MODEL)
+    prom.export(bare.drain())
+    assert get(samples(prom.registry), "kvscope_preemptions_total", model=MODEL) == 1
 
 
 def test_late_decode_span_delays_nothing_but_stage_times_stay_exact() -> None:

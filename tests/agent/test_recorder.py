@@ -17,7 +17,7 @@ import pytest
 from agent.clock import ClockAnchor
 from agent.runstore import RunStoreWriter, open_run
 from agent.schema import ACCOUNTING_COLUMNS, STATE_CODE, TABLES
-from agent.telemetry import CLOCK_CPU, CLOCK_CUDA, Recorder, RequestAccounting
+from agent.telemetry import CLOCK_CPU, CLOCK_CUDA, EngineStatus, Recorder, RequestAccounting
 
 ANCHOR = ClockAnchor(wall_ns=1_700_000_000_000_000_000, mono_ns=5_000)
 OFF = ANCHOR.wall_ns - ANCHOR.mono_ns
@@ -562,22 +562,15 @@ def test_a_failing_annotator_does_not_break_the_partition() -> None:
     assert rec.stats.recording_errors == 3  # the three starts (request_begin, 2 stages)
 
 
-def test_metrics_snapshot_is_a_copy() -> None:
+def test_publish_replaces_the_status_whole() -> None:
     rec = make()
-    rec.set_gauge("kvscope_requests_running", 3, ("m",))
-    rec.count("kvscope_requests_total", 2, ("m", "ok"))
-    gauges, counters = rec.metrics_snapshot()
-    rec.count("kvscope_requests_total", 1, ("m", "ok"))
-    assert gauges == {("kvscope_requests_running", ("m",)): 3}
-    assert counters == {("kvscope_requests_total", ("m", "ok")): 2}
-
-
-def test_set_counter_publishes_an_absolute_cumulative_value() -> None:
-    rec = make()
-    name, labels = "kvscope_remote_operations_total", ("m", "lookup", "error")
-    for v in (0, 5, 7):
-        rec.set_counter(name, v, labels)
-    assert rec.metrics_snapshot()[1] == {(name, labels): 7}
+    assert rec.status is None
+    first = EngineStatus(running=3, waiting=1, preemptions=2)
+    rec.publish(first)
+    seen = rec.status
+    rec.publish(EngineStatus(running=0, waiting=0, preemptions=2))
+    assert seen is first and seen.running == 3  # a reader's snapshot never changes under it
+    assert rec.status is not None and rec.status.running == 0
 
 
 def test_transfer_ids_are_unique_across_threads() -> None:

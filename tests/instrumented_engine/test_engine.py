@@ -9,6 +9,7 @@ import torch
 
 from instrumented_engine.core.request import SamplingParams
 from instrumented_engine.engine import LLMEngine
+from instrumented_engine.tiers.config import TierConfig
 from instrumented_engine.workloads import ChatConfig, DocQAConfig, chat, docqa
 from instrumented_engine.workloads.base import Arrival
 from tests.instrumented_engine.helpers import tiny_config, tokens
@@ -136,31 +137,17 @@ def test_seeded_sampling_does_not_depend_on_batch_mates() -> None:
     assert alone != greedy
 
 
-class DictTier:
-    """A minimal `KVTier` holding a set of digests (the arrival-lookup seam)."""
-
-    name = "host"
-
-    def __init__(self, held: set[bytes]) -> None:
-        self.held = held
-
-    def lookup(self, block_hashes: Sequence[bytes], start: int) -> int:
-        n = 0
-        for h in block_hashes[start:]:
-            if h not in self.held:
-                break
-            n += 1
-        return n
-
-
 def test_tier_lookup_continues_the_chain_after_device_hits() -> None:
-    probe = LLMEngine(tiny_config())
+    eng = LLMEngine(tiny_config(), tier_config=TierConfig(host_blocks=8))
     prompt = tokens(15, 100)
-    req = probe.make_request(prompt, 1)
-    probe.lookup(req)
-    tier = DictTier(set(req.block_hashes[:5]))
-    eng = LLMEngine(tiny_config(), tiers=[tier])
-    eng.generate([prompt[:40]], 1)  # device holds the first 2 blocks
+    req = eng.make_request(prompt, 1)
+    eng.lookup(req)
+    host = eng.flow.host if eng.flow is not None else None
+    assert host is not None
+    zeros = torch.zeros(host.layout.payload_shape, dtype=host.layout.dtype)
+    for h in req.block_hashes[:5]:  # the host tier holds the first 5 blocks of the chain
+        host.put(h, zeros)
+    eng.generate([prompt[:40]], 1)  # the device holds the first 2 blocks now
     req2 = eng.make_request(prompt, 1)
     assert eng.lookup(req2) == {"device": 32, "host": 48}
     assert req2.acct.host_hit_tokens == 48 and req2.acct.lookup_tokens == 96

@@ -7,6 +7,7 @@ from instrumented_engine.core.block_hash import namespace_digest
 from instrumented_engine.core.block_pool import BlockPool
 from instrumented_engine.core.kv_cache_manager import KVCacheManager
 from instrumented_engine.core.request import Request, RequestStatus, SamplingParams
+from instrumented_engine.lifecycle import RequestLifecycle
 from instrumented_engine.scheduler import Scheduler, SchedulerOutput
 
 NS = namespace_digest({"model_id": "m"})
@@ -14,7 +15,8 @@ BS = 16
 
 
 def sched(num_blocks: int = 64, **cfg: int | bool) -> Scheduler:
-    return Scheduler(SchedulerConfig(**cfg), KVCacheManager(BlockPool(num_blocks), BS))
+    life = RequestLifecycle(None, block_size=BS, num_layers=1, clock=lambda: 0)
+    return Scheduler(SchedulerConfig(**cfg), KVCacheManager(BlockPool(num_blocks), BS), life)
 
 
 def req(rid: str, n: int, max_tokens: int = 4, start: int = 0) -> Request:

@@ -6,8 +6,9 @@ import pytest
 
 from instrumented_engine.core.block_hash import namespace_digest
 from instrumented_engine.core.block_pool import BlockPool, FreeBlockQueue, KVBlock
-from instrumented_engine.core.kv_cache_manager import KVCacheManager, lookup_tokens
+from instrumented_engine.core.kv_cache_manager import KVCacheManager
 from instrumented_engine.core.request import Request, SamplingParams
+from instrumented_engine.lifecycle import lookup_tokens
 
 BS = 4
 NS = namespace_digest({"model_id": "m", "revision": "r", "dtype": "float32", "adapter_id": ""})

@@ -11,9 +11,9 @@ from agent.telemetry import Recorder
 from instrumented_engine.tiers import format as fmt
 from instrumented_engine.tiers.breaker import BreakerConfig
 from instrumented_engine.tiers.faults import FaultSpec, FaultyRemote, InjectedFault, parse_faults
-from instrumented_engine.tiers.file_store import FileStore
 from instrumented_engine.tiers.format import BlockLayout
-from instrumented_engine.tiers.resilient import ResilienceConfig, ResilientRemote
+from instrumented_engine.tiers.remote import ResilienceConfig, ResilientRemote
+from instrumented_engine.tiers.stores.file import FileStore
 from tests.instrumented_engine.tiers.conftest import NS, chain, payload
 
 

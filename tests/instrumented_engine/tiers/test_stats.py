@@ -2,12 +2,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from instrumented_engine.core.tiers import KVTier
-from instrumented_engine.tiers.file_store import FileStore
 from instrumented_engine.tiers.format import BlockLayout
 from instrumented_engine.tiers.host import HostKVPool
-from instrumented_engine.tiers.resilient import ResilientRemote
+from instrumented_engine.tiers.protocol import KVTier
+from instrumented_engine.tiers.remote import ResilientRemote
 from instrumented_engine.tiers.stats import LATENCY_BUCKETS_NS, LatencyHistogram, OpStats
+from instrumented_engine.tiers.stores.file import FileStore
 
 
 def test_histogram_buckets_are_upper_inclusive() -> None:

@@ -2,10 +2,10 @@ from __future__ import annotations
 
 import torch
 
-from instrumented_engine.tiers.file_store import FileStore
 from instrumented_engine.tiers.format import BlockLayout, decode
 from instrumented_engine.tiers.host import HostKVPool
-from instrumented_engine.tiers.resilient import ResilientRemote
+from instrumented_engine.tiers.remote import ResilientRemote
+from instrumented_engine.tiers.stores.file import FileStore
 from instrumented_engine.tiers.writeback import WriteBehind
 from tests.instrumented_engine.tiers.conftest import NS, chain, payload
 

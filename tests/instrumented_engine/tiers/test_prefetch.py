@@ -13,9 +13,9 @@ import pytest
 from agent.telemetry import Recorder, check_partition
 from analyzers.ttft import partition
 from instrumented_engine.engine import LLMEngine
-from instrumented_engine.tier_flow import TierConfig
 from instrumented_engine.tiers import ResilienceConfig
-from instrumented_engine.tiers.file_store import FileStore
+from instrumented_engine.tiers.config import TierConfig
+from instrumented_engine.tiers.stores.file import FileStore
 from tests.instrumented_engine.helpers import tiny_config, tokens
 
 PROMPTS = [tokens(40 + i, 80) for i in range(3)]  # 4 promisable blocks each, none shared

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from instrumented_engine.tiers.remote import RemoteError, chain_lookup
+from instrumented_engine.tiers.stores import RemoteError, chain_lookup
 
 _TMP_SUFFIX = ".tmp"
 

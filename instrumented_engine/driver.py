@@ -47,7 +47,7 @@ def prepare_requests(engine: LLMEngine, arrivals: Sequence[Arrival]) -> list[Req
     return out
 
 
-class RealTimeRunner:
+class RealTimeDriver:
     """Replays `arrivals` against `engine` at their times.
 
     Args:

@@ -1,10 +1,13 @@
-"""Telemetry of a mixed workload that triggers chunked prefill and preemption: the exact TTFT
-partition, the accounting identity, events, step spans, layer rows and pool gauges."""
+"""The request lifecycle and the engine's instrumentation on a mixed workload that triggers
+chunked prefill and preemption: the exact TTFT partition, the accounting identity, events,
+step spans, layer rows, pool samples and the published engine status."""
 
 from __future__ import annotations
 
+import ast
 import itertools
 import json
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -117,7 +120,7 @@ def test_preemption_and_eviction_events(mixed) -> None:
     assert lost == pc.sum(tables["requests"]["preempted_tokens"]).as_py()
     ev = [json.loads(e["detail"]) for e in events if e["name"] == "eviction"]
     assert sum(d["blocks"] for d in ev) == eng.stats.evicted_blocks > 0
-    assert rec.counters[("kvscope_preemptions_total", ("kvscope/tiny",))] == len(pre)
+    assert rec.status is not None and rec.status.preemptions == len(pre)
 
 
 def test_step_spans_cover_every_step_with_batch_composition(mixed) -> None:
@@ -151,7 +154,7 @@ def test_layer_rows_per_request(mixed) -> None:
             r["device_hit_tokens"], r["recomputed_tokens"], r["prompt_tokens"])
 
 
-def test_pool_samples_and_gauges(mixed) -> None:
+def test_pool_samples_and_status(mixed) -> None:
     _, tables, rec, _ = mixed
     s = tables["samples"].to_pandas()
     assert set(s["metric"]) == {"in_use", "cached_free", "empty"}
@@ -160,10 +163,13 @@ def test_pool_samples_and_gauges(mixed) -> None:
     assert (per_ts.sum(axis=1) == NUM_BLOCKS).all()
     assert per_ts["cached_free"].max() > 0
     assert per_ts.iloc[-1]["in_use"] == 0  # everything finished and freed
-    for state in ("in_use", "cached_free", "empty"):
-        assert ("kvscope_block_pool_blocks", ("kvscope/tiny", "device", state)) in rec.gauges
-    assert rec.gauges[("kvscope_requests_running", ("kvscope/tiny",))] == 0
-    assert rec.gauges[("kvscope_requests_waiting", ("kvscope/tiny",))] == 0
+    st = rec.status
+    assert st is not None and (st.running, st.waiting, st.remote) == (0, 0, None)
+    assert [p.tier for p in st.pools] == ["device"]
+    last = per_ts.iloc[-1]
+    dev = st.pools[0]
+    assert (dev.in_use, dev.cached_free, dev.empty) == (
+        last["in_use"], last["cached_free"], last["empty"])
 
 
 def test_telemetry_off_changes_nothing_but_recording(mixed) -> None:
@@ -191,3 +197,35 @@ def test_lookup_activity_spans_carry_promised_tokens(mixed) -> None:
         assert (a["start_ns"], a["end_ns"]) == (st["start_ns"], st["end_ns"])
         assert a["tokens"] % 16 == 0
     assert np.sum([a["tokens"] for a in act]) > 0
+
+
+def _writes_to_request_state(path: Path) -> list[str]:
+    """Assignments to `<x>.state`, `<x>.acct` or `<x>.acct.<field>` (x not `self`) in `path`,
+    and `setattr` calls on an `acct`."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        elif (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr"
+              and node.args and "acct" in ast.unparse(node.args[0])):
+            out.append(f"{path}:{node.lineno}: {ast.unparse(node)}")
+        for t in targets:
+            text = ast.unparse(t)
+            if isinstance(t, ast.Attribute) and not text.startswith("self.") and (
+                    t.attr in ("state", "acct") or ".acct." in f"{text}."):
+                out.append(f"{path}:{node.lineno}: {text}")
+    return out
+
+
+def test_only_the_lifecycle_writes_a_requests_state_and_accounting() -> None:
+    root = Path(__file__).resolve().parents[2] / "instrumented_engine"
+    owners = {root / "lifecycle.py", root / "core" / "request.py"}
+    bad = [w for p in sorted(root.rglob("*.py")) if p not in owners
+           for w in _writes_to_request_state(p)]
+    assert bad == [], "request state or accounting written outside the lifecycle:\n" + "\n".join(
+        bad)
+    # The check sees what it must: the lifecycle itself writes both.
+    assert _writes_to_request_state(root / "lifecycle.py")

@@ -1,4 +1,4 @@
-"""The tiers' configuration and the arrival side of the tier flow (DESIGN.md section 2).
+"""Remote → host staging reads, started at the arrival lookup (docs/DESIGN.md, "Tiers").
 
     arrival (submitting thread)  the lookup promised remote hits: their prefetch into host
                                  staging starts now, while the request still has to reach the
@@ -10,114 +10,27 @@ A block is never read twice at once (two reads of one digest would race for its 
 a request whose promised block another request is already reading waits for that read instead.
 The in-flight index is shared by the submitting threads and the engine loop, under one lock.
 No request state is recorded here: only the remote tier's activity spans, from the workers.
+
+`prefetch_into_host` is one read: slots are reserved before it and published only for blocks
+that loaded; a timed-out read keeps its slots reserved until the late read finishes, so no
+other block can be written over them meanwhile.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
-
-import torch
 
 from instrumented_engine.core.block_hash import BlockHash
 from instrumented_engine.core.request import Request
-from instrumented_engine.h2d import H2DCopy
-from instrumented_engine.tiers import (
-    FaultSpec,
-    HostKVPool,
-    ReadResult,
-    ResilienceConfig,
-    ResilientRemote,
-    prefetch_into_host,
-)
+from instrumented_engine.tiers.host import HostKVPool, HostPoolFull
+from instrumented_engine.tiers.plan import Read, TierPlan
+from instrumented_engine.tiers.remote import ReadResult, ResilientRemote
 
 log = logging.getLogger(__name__)
-
-HOST_WRITES = ("evict", "through")
-
-
-@dataclass(slots=True, frozen=True)
-class TierConfig:
-    """The tiers beyond the device pool.
-
-    Attributes:
-        host_blocks: host tier size in blocks (0: no host tier).
-        remote: `file://DIR` or `redis://HOST:PORT/DB` (None: no remote tier).
-        host_write: how blocks reach the host tier: `evict` (device evictions are saved) or
-            `through` (every new full block is written behind).
-        staging_blocks: host staging for remote reads when there is no host tier (>= 1).
-        writeback_capacity: write-behind queue bound in blocks (>= 1; when full: skip, count).
-        resilience: remote timeouts, retries, breaker.
-        faults: injected remote faults (off by default).
-        prefetch_workers: threads running prefetches (>= 1).
-    """
-
-    host_blocks: int = 0
-    remote: str | None = None
-    host_write: str = "evict"
-    staging_blocks: int = 256
-    writeback_capacity: int = 256
-    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
-    faults: FaultSpec = field(default_factory=FaultSpec)
-    prefetch_workers: int = 2
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.host_blocks, int) or self.host_blocks < 0:
-            raise ValueError(f"tiers.host_blocks: must be an int >= 0, got {self.host_blocks!r}")
-        if self.host_write not in HOST_WRITES:
-            raise ValueError(f"tiers.host_write: expected one of {', '.join(HOST_WRITES)}, "
-                             f"got {self.host_write!r}")
-        for name in ("staging_blocks", "writeback_capacity", "prefetch_workers"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"tiers.{name}: must be an int >= 1, got {v!r}")
-
-    @property
-    def active(self) -> bool:
-        return self.host_blocks > 0 or self.remote is not None
-
-
-@dataclass(slots=True)
-class Read:
-    """One prefetch (a `remote_read` transfer) of some blocks into staging."""
-
-    future: Future[ReadResult]
-    transfer_id: int
-    hashes: list[BlockHash]
-    request_num: int
-
-
-@dataclass(slots=True)
-class Plan:
-    """One request's tier state, from arrival to its first token."""
-
-    promised_dev: int  # blocks
-    promised_host: int
-    promised_remote: int
-    #: the reads this request waits for: its own and batch-mates' already in flight
-    reads: list[Read] = field(default_factory=list)
-    statuses: list[str | None] | None = None  # per remote-promised block, once read
-    remote_nbytes: int = 0
-    staged_blocks: int = 0
-    views: list[BlockHash] = field(default_factory=list)  # acquired staging digests
-    payloads: list[torch.Tensor] = field(default_factory=list)  # their slots
-    copy: H2DCopy | None = None
-    h2d_transfer: int = -1
-    layer_load_ns: list[int] = field(default_factory=list)
-    layer_wait_ns: list[int] = field(default_factory=list)
-    stored: int = 0  # blocks handed to the write-behind queue (chain index)
-    waited: bool = False  # left `queue` for `remote_read` in this admission attempt
-
-    @property
-    def remote_lo(self) -> int:
-        return self.promised_dev + self.promised_host
-
-    @property
-    def remote_hi(self) -> int:
-        return self.remote_lo + self.promised_remote
 
 
 class Prefetcher:
@@ -140,7 +53,7 @@ class Prefetcher:
         self._lock = threading.Lock()
         self._closed = False
 
-    def start(self, req: Request, plan: Plan) -> None:
+    def start(self, req: Request, plan: TierPlan) -> None:
         """(Any thread, at arrival, after the request got its `request_num`) read the
         promised remote blocks no read in flight covers; list every read the request needs
         in `plan.reads`."""
@@ -171,12 +84,12 @@ class Prefetcher:
                 inflight[h] = read
 
     @staticmethod
-    def pending(plan: Plan) -> bool:
+    def pending(plan: TierPlan) -> bool:
         """Whether a read the request needs is still running."""
         return not all(r.future.done() for r in plan.reads)
 
     @staticmethod
-    def settle(req: Request, plan: Plan) -> None:
+    def settle(req: Request, plan: TierPlan) -> None:
         """(Engine loop) wait for the request's reads; fill `plan.statuses` (one per
         remote-promised block) and its own read's byte and block counts."""
         status: dict[BlockHash, str | None] = {}
@@ -200,3 +113,54 @@ class Prefetcher:
         with self._lock:
             self._closed = True
         self._pool.shutdown(wait=True)
+
+
+def prefetch_into_host(remote: ResilientRemote, host: HostKVPool, block_hashes: Sequence[bytes],
+                       namespace: bytes, *, transfer_id: int | None = None,
+                       request_num: int = -1) -> ReadResult:
+    """Load `block_hashes` from the remote tier into the host pool.
+
+    Blocks already in the host pool are not read again and count as loaded. When the pool has
+    no unreferenced slot left for a block, that block and the rest of the chain are not read
+    (status `error`: the load could not be attempted).
+
+    Returns:
+        The read's result, one status per block in `block_hashes` (None: now in the host pool).
+        The chain is usable up to its first failed block; blocks after it were loaded but
+        cannot be used before the failed one is recomputed.
+    """
+    statuses: list[str | None] = [None] * len(block_hashes)
+    todo: list[int] = []
+    for i, h in enumerate(block_hashes):
+        if h not in host:
+            todo.append(i)
+    want = [block_hashes[i] for i in todo]
+    reserved: list[bytes] = []
+    dests = []
+    try:
+        for h in want:
+            host.reserve(h)
+            reserved.append(h)
+            dests.append(host.slot_bytes(h))
+    except (HostPoolFull, KeyError):
+        # KeyError: another prefetch holds the same digest reserved; treat as not attempted.
+        for i in todo[len(reserved):]:
+            statuses[i] = "error"
+    if not reserved:
+        return ReadResult(statuses, transfer_id=-1 if transfer_id is None else transfer_id)
+    res = remote.read_into(reserved, namespace, dests, transfer_id=transfer_id,
+                           request_num=request_num)
+    for j, st in enumerate(res.statuses):
+        statuses[todo[j]] = st
+    loaded = [h for h, st in zip(reserved, res.statuses, strict=True) if st is None]
+    failed = [h for h, st in zip(reserved, res.statuses, strict=True) if st is not None]
+    for h in loaded:
+        host.commit(h)
+
+    def free_failed() -> None:
+        for h in failed:
+            host.abort(h)
+
+    res.when_buffers_free(free_failed)
+    return ReadResult(statuses, res.nbytes, res.transfer_id, res.start_ns, res.end_ns,
+                      res.pending)

@@ -1,4 +1,4 @@
-"""The seam for KV tiers beyond the device pool (host, remote: the tiers issue).
+"""The seams of the KV tiers beyond the device pool (host, remote).
 
 The engine consults tiers at two points, in tier order (host, then remote):
 
@@ -9,8 +9,8 @@ The engine consults tiers at two points, in tier order (host, then remote):
   allocated device blocks; the request's `remote_read`, `h2d` and `sync` stages are entered
   through the same recorder calls as every other stage.
 
-`KVTier` is the arrival half (`LLMEngine(tiers=...)` records the promises); `TierLoader` is the
-admission half that `Scheduler._admit` calls (instrumented_engine.tier_flow.TierFlow).
+`KVTier` is the arrival half (`HostKVPool`, `ResilientRemote`); `TierLoader` is the admission
+half that `Scheduler._admit` calls (`tiers.flow.TierFlow`).
 """
 
 from __future__ import annotations

@@ -10,11 +10,11 @@ from agent.telemetry import Recorder
 from instrumented_engine.tiers import format as fmt
 from instrumented_engine.tiers.breaker import BreakerConfig
 from instrumented_engine.tiers.faults import FaultSpec, FaultyRemote
-from instrumented_engine.tiers.file_store import FileStore
 from instrumented_engine.tiers.format import BlockLayout
 from instrumented_engine.tiers.host import HostKVPool
-from instrumented_engine.tiers.resilient import ResilienceConfig, ResilientRemote
-from instrumented_engine.tiers.staging import prefetch_into_host
+from instrumented_engine.tiers.prefetch import prefetch_into_host
+from instrumented_engine.tiers.remote import ResilienceConfig, ResilientRemote
+from instrumented_engine.tiers.stores.file import FileStore
 from tests.instrumented_engine.tiers.conftest import NS, chain, payload
 
 
@@ -90,11 +90,11 @@ def test_breaker_reports_to_recorder(layout: BlockLayout, tmp_path: Path) -> Non
     changes: list[tuple[str, str]] = []
     remote = ResilientRemote(
         faulty, layout, ResilienceConfig(retries=0, breaker=BreakerConfig(2, cooldown_s=1.0)),
-        recorder=rec, model="tiny", on_breaker_change=lambda o, n, _t: changes.append((o, n)),
+        recorder=rec, on_breaker_change=lambda o, n, _t: changes.append((o, n)),
         clock=lambda: now[0])
-    assert rec.gauges[("kvscope_remote_breaker_open", ("tiny",))] == 0.0
+    assert remote.breaker.state == "closed"
     assert remote.lookup(hs, 0) == 0 and remote.lookup(hs, 0) == 0
-    assert rec.gauges[("kvscope_remote_breaker_open", ("tiny",))] == 1.0
+    assert remote.breaker.state == "open"
     assert remote.lookup(hs, 0) == 0
     assert remote.stats.get("lookup_failed_circuit_open") == 1
     now[0] += 1_000_000_000
@@ -103,7 +103,7 @@ def test_breaker_reports_to_recorder(layout: BlockLayout, tmp_path: Path) -> Non
     res = remote.read_into(hs, NS, dests)  # the half-open probe succeeds
     assert res.statuses == [None, None, None]
     assert changes == [("closed", "open"), ("open", "half_open"), ("half_open", "closed")]
-    assert rec.gauges[("kvscope_remote_breaker_open", ("tiny",))] == 0.0
+    assert remote.breaker.state == "closed"
     tables = rec.drain()
     events = tables["events"].to_pylist()
     assert [(e["name"], e["source"]) for e in events] == [("circuit_open", "remote"),

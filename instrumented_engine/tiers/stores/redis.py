@@ -17,7 +17,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from instrumented_engine.tiers.remote import RemoteError, RemoteTimeout, chain_lookup
+from instrumented_engine.tiers.stores import RemoteError, RemoteTimeout, chain_lookup
 
 KEY_PREFIX = b"kvscope:kv:"
 

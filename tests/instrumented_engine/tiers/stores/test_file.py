@@ -13,10 +13,10 @@ import torch
 
 from agent.errors import InputError
 from instrumented_engine.tiers import format as fmt
-from instrumented_engine.tiers.file_store import FileStore
 from instrumented_engine.tiers.format import BlockLayout
-from instrumented_engine.tiers.remote import open_remote
-from instrumented_engine.tiers.resilient import ResilientRemote
+from instrumented_engine.tiers.remote import ResilientRemote
+from instrumented_engine.tiers.stores import open_remote
+from instrumented_engine.tiers.stores.file import FileStore
 from tests.conftest import REPO
 from tests.instrumented_engine.tiers.conftest import NS, chain, payload
 
@@ -95,7 +95,7 @@ def test_concurrent_reader_sees_whole_objects(layout: BlockLayout, tmp_path: Pat
 _CHILD = textwrap.dedent("""
     import os, sys, time, torch
     from instrumented_engine.tiers import format as fmt
-    from instrumented_engine.tiers.file_store import FileStore
+    from instrumented_engine.tiers.stores.file import FileStore
     from instrumented_engine.tiers.format import BlockLayout
     root, ns, n = sys.argv[1], bytes.fromhex(sys.argv[2]), int(sys.argv[3])
     digests = [bytes.fromhex(x) for x in sys.argv[4:]]

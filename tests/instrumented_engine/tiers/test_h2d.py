@@ -7,8 +7,8 @@ import itertools
 import torch
 
 from agent.telemetry import CLOCK_CPU
-from instrumented_engine.h2d import H2DCopier
 from instrumented_engine.tiers.format import BlockLayout, gather_block
+from instrumented_engine.tiers.h2d import H2DCopier
 
 
 def test_copy_places_each_payload_in_its_block_and_times_every_layer() -> None:

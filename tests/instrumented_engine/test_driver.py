@@ -8,8 +8,8 @@ import pytest
 
 from agent.errors import InputError
 from agent.telemetry import Recorder, check_partition
+from instrumented_engine.driver import RealTimeDriver
 from instrumented_engine.engine import LLMEngine
-from instrumented_engine.runner import RealTimeRunner
 from instrumented_engine.workloads.base import Arrival
 from tests.instrumented_engine.helpers import tiny_config, tokens
 
@@ -41,7 +41,7 @@ def test_runner_replays_every_arrival_with_an_exact_partition() -> None:
     eng = LLMEngine(tiny_config(), recorder=rec)
     ft = FakeTime()
     arrivals = _arrivals(6, gap_s=2.0)
-    res = RealTimeRunner(eng, list(reversed(arrivals)), monotonic=ft.monotonic,
+    res = RealTimeDriver(eng, list(reversed(arrivals)), monotonic=ft.monotonic,
                          sleep=ft.sleep).run()
     assert not res.interrupted
     assert sorted(o.request_id for o in res.outputs) == [f"a{i}" for i in range(6)]
@@ -61,7 +61,7 @@ def test_invalid_arrival_fails_before_the_run_naming_its_source() -> None:
     bad = Arrival(at_s=0, request_id="x", prompt_token_ids=[1] * 100, max_tokens=1,
                   tenant=None, workload_class="trace", source="t.jsonl:7")
     with pytest.raises(InputError, match=r"^t.jsonl:7: a request of 101 tokens needs 7 blocks"):
-        RealTimeRunner(eng, [bad])
+        RealTimeDriver(eng, [bad])
 
 
 def test_interrupt_aborts_unfinished_requests() -> None:
@@ -71,7 +71,7 @@ def test_interrupt_aborts_unfinished_requests() -> None:
     def stop(_out: object) -> None:
         raise KeyboardInterrupt
 
-    res = RealTimeRunner(eng, _arrivals(4, gap_s=0.0), on_finished=stop).run()
+    res = RealTimeDriver(eng, _arrivals(4, gap_s=0.0), on_finished=stop).run()
     assert res.interrupted and len(res.outputs) == 1
     status = sorted(r["status"] for r in rec.drain()["requests"].to_pylist())
     # All four arrive at 0 s, long before the first request's three steps end (the last could

@@ -1,0 +1,59 @@
+"""One request's tier state, from its arrival lookup to its first token (`Request.tier`)."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from instrumented_engine.core.block_hash import BlockHash
+
+if TYPE_CHECKING:
+    from instrumented_engine.tiers.h2d import H2DCopy
+    from instrumented_engine.tiers.remote import ReadResult
+
+
+@dataclass(slots=True)
+class Read:
+    """One prefetch (a `remote_read` transfer) of some blocks into staging."""
+
+    future: Future[ReadResult]
+    transfer_id: int
+    hashes: list[BlockHash]
+    request_num: int
+
+
+@dataclass(slots=True)
+class TierPlan:
+    """What the tiers promised a request, what they are fetching for it and what it holds.
+
+    Block counts are chain positions: the device promised blocks [0, promised_dev), the host
+    [promised_dev, remote_lo), the remote [remote_lo, remote_hi).
+    """
+
+    promised_dev: int  # blocks
+    promised_host: int
+    promised_remote: int
+    #: the reads this request waits for: its own and batch-mates' already in flight
+    reads: list[Read] = field(default_factory=list)
+    statuses: list[str | None] | None = None  # per remote-promised block, once read
+    remote_nbytes: int = 0
+    staged_blocks: int = 0
+    views: list[BlockHash] = field(default_factory=list)  # acquired staging digests
+    payloads: list[torch.Tensor] = field(default_factory=list)  # their slots
+    copy: H2DCopy | None = None
+    h2d_transfer: int = -1
+    layer_load_ns: list[int] = field(default_factory=list)
+    layer_wait_ns: list[int] = field(default_factory=list)
+    stored: int = 0  # blocks handed to the write-behind queue (chain index)
+    waited: bool = False  # left `queue` for `remote_read` in this admission attempt
+
+    @property
+    def remote_lo(self) -> int:
+        return self.promised_dev + self.promised_host
+
+    @property
+    def remote_hi(self) -> int:
+        return self.remote_lo + self.promised_remote
