@@ -20,14 +20,14 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from agent.schema import SPAN_KINDS, TTFT_STAGES
-from analyzers import frames as F
-from analyzers.intervals import (
+from agent.intervals import (
     STAGE_RANK,
     clip_to_window,
     nested_union_lengths,
     priority_partition,
 )
+from agent.schema import SPAN_KINDS, TTFT_STAGES
+from analyzers import frames as F
 
 # The summaries live in their own module; re-exported here as part of the ttft API.
 from analyzers.ttft_summary import TTFTSummary, summarize

@@ -13,6 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from agent.intervals import group_running_max
 from agent.schema import TTFT_STAGES
 
 #: Violation kinds, in the order they are listed for one instant of one request.
@@ -108,7 +109,7 @@ def check_partition(spans: pa.Table, requests: pa.Table) -> list[PartitionViolat
     if n:
         order = np.lexsort((end, start, ridx))
         ridx, start, end = ridx[order], start[order], end[order]
-        reach = _group_running_max(ridx, end)  # furthest end of spans [.., i] of i's request
+        reach = group_running_max(ridx, end)  # furthest end of spans [.., i] of i's request
         same = ridx[1:] == ridx[:-1]
         prev = reach[:-1]
         s1, e1, r1 = start[1:], end[1:], ridx[1:]
@@ -132,18 +133,3 @@ def check_partition(spans: pa.Table, requests: pa.Table) -> list[PartitionViolat
     add(ttft < 0, "negative_ttft", everyone, first, -ttft)
     found.sort(key=lambda v: v[:3])
     return [PartitionViolation(req_ids[r], kind, a, s) for r, a, _, kind, s in found]
-
-
-def _group_running_max(group: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """Running maximum of `values` restarting at each group (`group` sorted ascending).
-
-    Vectorised: rank the values, offset each group's ranks past every earlier group's, take one
-    global maximum.accumulate and map ranks back to values.
-    """
-    n = len(values)
-    by_rank = np.argsort(values, kind="stable")
-    rank = np.empty(n, dtype=np.int64)
-    rank[by_rank] = np.arange(n, dtype=np.int64)
-    # group * n + rank < (group + 1) * n, so earlier groups never win the maximum
-    key = group.astype(np.int64) * n + rank
-    return values[by_rank][np.maximum.accumulate(key) - group * n]

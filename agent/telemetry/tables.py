@@ -7,6 +7,7 @@ become strings through their vocabulary (dictionary decode in C++).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -134,28 +135,62 @@ def requests_table(rows: list[tuple[Any, ...]], off: int) -> pa.Table:
     return pa.table(data, schema=REQUESTS_SCHEMA)
 
 
-def samples_table(rows: list[tuple[Any, ...]], off: int) -> pa.Table:
+# NOTE: the samples and events columns are built from buffers. `pa.array()` probes its input with
+# pandas' type checks and imports pandas when it is installed (~0.5 s and tens of MiB); the node
+# agent must stay free of it, and building the buffers directly costs less anyway.
+
+
+def _int64(values: tuple[int, ...], offset: int = 0) -> pa.Array:
+    buf = np.fromiter(values, dtype=np.int64, count=len(values))
+    if offset:
+        buf += offset
+    return pa.Array.from_buffers(pa.int64(), len(values), [None, pa.py_buffer(buf)])
+
+
+def _float64(values: tuple[float, ...]) -> pa.Array:
+    buf = np.fromiter(values, dtype=np.float64, count=len(values))
+    return pa.Array.from_buffers(pa.float64(), len(values), [None, pa.py_buffer(buf)])
+
+
+def _string(values: tuple[str | None, ...] | list[str | None]) -> pa.Array:
+    n = len(values)
+    # errors="replace": a lone surrogate becomes U+FFFD instead of failing the whole table.
+    enc = [b"" if v is None else str(v).encode("utf-8", "replace") for v in values]
+    offsets = np.zeros(n + 1, dtype=np.int32)
+    np.cumsum(np.fromiter(map(len, enc), dtype=np.int32, count=n), out=offsets[1:])
+    valid = np.fromiter((v is not None for v in values), dtype=bool, count=n)
+    nulls = n - int(valid.sum())
+    bitmap = pa.py_buffer(np.packbits(valid, bitorder="little")) if nulls else None
+    return pa.Array.from_buffers(pa.string(), n, [bitmap, pa.py_buffer(offsets),
+                                                  pa.py_buffer(b"".join(enc))], null_count=nulls)
+
+
+def samples_table(rows: Sequence[tuple[Any, ...]], off: int) -> pa.Table:
+    """Sample rows `(ts, source, entity, metric, value, unit)` (monotonic ts) → a `samples`
+    table in epoch ns. The one builder of the table: the recorder's drain and the node
+    agent's store both use it."""
     ts, source, entity, metric, value, unit = zip(*rows, strict=True)
-    return pa.table(
-        {
-            "ts_ns": pa.array(np.asarray(ts, dtype=np.int64) + off),
-            "source": pa.array(source, pa.string()),
-            "entity": pa.array(entity, pa.string()),
-            "metric": pa.array(metric, pa.string()),
-            "value": pa.array(value, pa.float64()),
-            "unit": pa.array(unit, pa.string()),
-        },
+    return pa.Table.from_arrays(
+        [_int64(ts, off), _string(source), _string(entity), _string(metric), _float64(value),
+         _string(unit)],
         schema=SAMPLES_SCHEMA,
     )
 
 
 def detail_json(detail: dict[str, Any] | None) -> str | None:
-    """An event's detail as JSON text; never raises (the drain must not fail on one value)."""
+    """An event's detail as JSON text, keys sorted when they can be; never raises (the drain
+    must not fail on one value)."""
     if detail is None:
         return None
     try:
+        return json.dumps(detail, default=str, sort_keys=True)
+    except TypeError:  # keys of mixed types cannot be sorted
+        pass
+    except Exception as exc:  # circular references, a failing __str__, ...
+        return json.dumps({"unserializable": type(exc).__name__, "repr": _safe_repr(detail)})
+    try:
         return json.dumps(detail, default=str)
-    except Exception as exc:  # non-str keys, circular references, a failing __str__
+    except Exception as exc:
         return json.dumps({"unserializable": type(exc).__name__, "repr": _safe_repr(detail)})
 
 
@@ -166,17 +201,13 @@ def _safe_repr(obj: Any) -> str:
         return object.__repr__(obj)
 
 
-def events_table(rows: list[tuple[Any, ...]], off: int) -> pa.Table:
-    """Event rows `(t, source, name, request_id, detail)`; request ids were resolved when the
-    events were recorded."""
+def events_table(rows: Sequence[tuple[Any, ...]], off: int) -> pa.Table:
+    """Event rows `(t, source, name, request_id, detail)` (monotonic t) → an `events` table in
+    epoch ns, `detail` as JSON text (`detail_json`: never raises). The one builder of the table
+    (the recorder's drain and the node agent's store)."""
     ts, source, name, rid, detail = zip(*rows, strict=True)
-    return pa.table(
-        {
-            "ts_ns": pa.array(np.asarray(ts, dtype=np.int64) + off),
-            "source": pa.array(source, pa.string()),
-            "name": pa.array(name, pa.string()),
-            "request_id": pa.array(rid, pa.string()),
-            "detail": pa.array([detail_json(d) for d in detail], pa.string()),
-        },
+    return pa.Table.from_arrays(
+        [_int64(ts, off), _string(source), _string(name), _string(rid),
+         _string([detail_json(d) for d in detail])],
         schema=EVENTS_SCHEMA,
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from agent.intervals import merge_intervals, union_length
 from analyzers import frames as F
 from analyzers.diagnose.model import (
     Context,
@@ -16,7 +17,6 @@ from analyzers.diagnose.model import (
     rate_bytes,
     size_bytes,
 )
-from analyzers.intervals import nested_union_lengths
 
 #: PCIe raw signalling rate per lane, GT/s, by generation (PCI-SIG base specifications 1.0-7.0).
 PCIE_GT_PER_S: dict[int, float] = {1: 2.5, 2: 5.0, 3: 8.0, 4: 16.0, 5: 32.0, 6: 64.0, 7: 128.0}
@@ -66,17 +66,6 @@ def _latest(samples: pd.DataFrame, source: str, metric: str) -> pd.Series:
     return last.astype(np.float64)
 
 
-def _union_ns(start: np.ndarray, end: np.ndarray) -> int:
-    """Length of the union of intervals (the time at least one was open)."""
-    if not len(start):
-        return 0
-    lo, hi = int(start.min()), int(end.max())
-    s, e = np.clip(start, lo, hi), np.clip(end, lo, hi)
-    return int(nested_union_lengths(np.zeros(len(s), np.int64), s, np.maximum(s, e),
-                                    np.zeros(len(s), np.int64), np.array([lo]),
-                                    np.array([hi - lo]), 1)[0, 0])
-
-
 def h2d_bandwidth_low(ctx: Context) -> Finding | NotEvaluated | None:
     """Achieved host-to-device copy bandwidth far below the PCIe link's data rate."""
     rule = "h2d_bandwidth_low"
@@ -90,7 +79,7 @@ def h2d_bandwidth_low(ctx: Context) -> Finding | NotEvaluated | None:
     if with_bytes.any():
         start = F.ints(act["start_ns"], 0)[with_bytes]
         end = F.ints(act["end_ns"], 0)[with_bytes]
-        nbytes, busy_ns = int(nbytes_col[with_bytes].sum()), _union_ns(start, end)
+        nbytes, busy_ns = int(nbytes_col[with_bytes].sum()), union_length(start, end)
         copies = int(with_bytes.sum())
         how = (f"{copies:,} h2d copies: {size_bytes(nbytes)} over {dur(busy_ns)} with at least "
                "one copy in flight")
@@ -165,14 +154,7 @@ def _read_windows(spans: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     sel = spans.loc[spans["name"].isin(REMOTE_READ_SPANS)] if len(spans) else spans
     if not len(sel):
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    s = F.ints(sel["start_ns"], 0)
-    e = np.maximum(F.ints(sel["end_ns"], 0), s)
-    order = np.argsort(s, kind="stable")
-    s, e = s[order], e[order]
-    reach = np.maximum.accumulate(e)
-    new = np.r_[True, s[1:] > reach[:-1]]
-    idx = np.flatnonzero(new)
-    return s[idx], np.maximum.reduceat(e, idx)
+    return merge_intervals(F.ints(sel["start_ns"], 0), F.ints(sel["end_ns"], 0))
 
 
 def nic_imbalance(ctx: Context) -> Finding | NotEvaluated | None:

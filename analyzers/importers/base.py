@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from agent.errors import InputError
+from agent.intervals import priority_spans
 from agent.runstore.reader import to_pandas
 from agent.schema import (
     REQUESTS_SCHEMA,
@@ -229,10 +230,6 @@ def _array(values: Any, typ: pa.DataType, n: int) -> pa.Array:
 # The partition of TTFT from overlapping ranges
 # --------------------------------------------------------------------------------------------
 
-#: rank in the sweep-line priority (0 = wins) for each TTFT stage
-_RANK = {s: i for i, s in enumerate(STAGE_PRIORITY)}
-
-
 @dataclass(slots=True)
 class Partition:
     """State spans that partition each request's [arrival, first_token] exactly."""
@@ -245,6 +242,9 @@ class Partition:
     other_ns: int  # time no range covered (reported as `other`)
 
 
+_STAGE_INDEX = {s: i for i, s in enumerate(TTFT_STAGES)}
+
+
 def sweep_partition(
     req: np.ndarray,
     stage: np.ndarray,
@@ -253,74 +253,23 @@ def sweep_partition(
     arrival_ns: np.ndarray,
     first_ns: np.ndarray,
 ) -> Partition:
-    """Partition each request's TTFT from possibly overlapping, possibly gappy stage ranges.
-
-    Where ranges overlap the stage earliest in STAGE_PRIORITY wins (DESIGN.md §2); time no range
-    covers becomes `other`. Vectorised over all requests at once.
+    """Partition each request's TTFT from possibly overlapping, possibly gappy stage ranges
+    (`agent.intervals.priority_spans`: the sweep-line priority; uncovered time is `other`).
 
     Args:
         req: request index of each range (into `arrival_ns`/`first_ns`).
         stage: TTFT stage name of each range.
-        start_ns, end_ns: the ranges (clipped to the request's window here).
+        start_ns, end_ns: the ranges (clipped to the request's window).
         arrival_ns, first_ns: each request's window; requests with first <= arrival get no spans.
     Returns:
         The partition, sorted by request then time.
     """
-    req = np.asarray(req, dtype=np.int64)
-    n_req = len(arrival_ns)
-    arrival_ns = np.asarray(arrival_ns, dtype=np.int64)
-    first_ns = np.asarray(first_ns, dtype=np.int64)
-    ttft = first_ns - arrival_ns
-    live = ttft > 0
-    s = np.clip(np.asarray(start_ns, dtype=np.int64), arrival_ns[req], first_ns[req])
-    e = np.clip(np.asarray(end_ns, dtype=np.int64), arrival_ns[req], first_ns[req])
-    keep = (e > s) & live[req]
-    req, s, e = req[keep], s[keep], e[keep]
-    rank = np.array([_RANK[x] for x in np.asarray(stage, dtype=object)[keep]], dtype=np.int64)
-
-    # Times relative to each request's arrival, offset by request so one sorted key orders
-    # (request, time) for every request at once.
-    width = int(ttft[live].max()) + 1 if live.any() else 1
-    if width * max(n_req, 1) >= 2**62:
-        raise ValueError("sweep_partition: time range too wide to vectorise")
-    base = np.arange(n_req, dtype=np.int64) * width
-    live_idx = np.flatnonzero(live)
-    ks, ke = base[req] + (s - arrival_ns[req]), base[req] + (e - arrival_ns[req])
-    bounds = np.unique(np.concatenate([ks, ke, base[live_idx], base[live_idx] + ttft[live_idx]]))
-    # Elementary intervals [bounds[i], bounds[i+1]) that lie inside one request's window.
-    lo, hi = bounds[:-1], bounds[1:]
-    ireq = lo // width
-    inside = (ireq == (hi - 1) // width) & ((lo - ireq * width) < ttft[np.minimum(ireq, n_req - 1)])
-    si, ei = np.searchsorted(bounds, ks), np.searchsorted(bounds, ke)
-    n_lvl = len(STAGE_PRIORITY)
-    cover = np.zeros((n_lvl, len(bounds)), dtype=np.int64)
-    np.add.at(cover, (rank, si), 1)
-    np.add.at(cover, (rank, ei), -1)
-    cover = np.cumsum(cover, axis=1)[:, :-1]
-    active = cover > 0
-    # argmax picks the first (highest-priority) open stage; no open stage → `other`.
-    any_open = active.any(axis=0)
-    chosen = np.where(any_open, active.argmax(axis=0), _RANK["other"])
-    dur = hi - lo
-    overlap_ns = int(dur[inside & (active.sum(axis=0) > 1)].sum())
-    other_ns = int(dur[inside & ~any_open].sum())
-
-    lo, hi, ireq, chosen = lo[inside], hi[inside], ireq[inside], chosen[inside]
-    # Merge runs of the same stage inside one request.
-    new = np.ones(len(lo), dtype=bool)
-    new[1:] = (ireq[1:] != ireq[:-1]) | (chosen[1:] != chosen[:-1]) | (lo[1:] != hi[:-1])
-    starts = np.flatnonzero(new)
-    ends = np.r_[starts[1:], len(lo)] - 1
-    out_req = ireq[starts]
-    names = np.asarray(STAGE_PRIORITY, dtype=object)[chosen[starts]]
-    return Partition(
-        req=out_req,
-        stage=names,
-        start_ns=lo[starts] - out_req * width + arrival_ns[out_req],
-        end_ns=hi[ends] - out_req * width + arrival_ns[out_req],
-        overlap_ns=overlap_ns,
-        other_ns=other_ns,
-    )
+    codes = np.array([_STAGE_INDEX[x] for x in np.asarray(stage, dtype=object)], dtype=np.int64)
+    g, st, s, e, overlap, other = priority_spans(req, codes, start_ns, end_ns, arrival_ns,
+                                                 first_ns)
+    names = np.asarray(TTFT_STAGES, dtype=object)[st]
+    return Partition(req=g, stage=names, start_ns=s, end_ns=e, overlap_ns=overlap,
+                     other_ns=other)
 
 
 def requests_from_stage_ranges(run: ImportedRun, req: np.ndarray, stage: np.ndarray,

@@ -21,6 +21,8 @@ then one pass collecting a few columns into numpy arrays, vectorised from there.
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,49 @@ _EPOCH_FLOOR_US = 86_400 * 1_000_000
 _REQ_KEYS = ("request_num", "request_id", "kvscope.request_num")
 
 
+@dataclass(slots=True)
+class KinetoTrace:
+    """A Kineto / Chrome trace as read from disk.
+
+    Attributes:
+        events: the `traceEvents` list, as parsed.
+        base_ns: `baseTimeNanoseconds` when the trace has one (an event's epoch ns is then
+            `base_ns + ts * 1000`), else None (its `ts` are epoch µs, or relative).
+    """
+
+    events: list[Any]
+    base_ns: int | None
+
+
+def read_trace(path: str | os.PathLike[str]) -> KinetoTrace:
+    """Read a Kineto (PyTorch profiler) or Chrome trace: the one reader of the format, used by
+    the importer and by `kvscope timeline --merge`.
+
+    Accepts the JSON Object form (``{"traceEvents": [...]}``) and Chrome's JSON Array form
+    (a bare list of events), plain or gzip-compressed (detected by content, not by name).
+
+    Raises:
+        InputError: missing or unreadable file, cut or invalid JSON, no `traceEvents` list, or
+            a `baseTimeNanoseconds` that is not an integer.
+    """
+    p = Path(path)
+    doc = parse_json(read_bytes(p), p)
+    if isinstance(doc, list):  # the JSON Array Format
+        doc = {"traceEvents": doc}
+    if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
+        raise InputError(f"{p}: no 'traceEvents' list (not a Chrome/Kineto trace)")
+    base = doc.get("baseTimeNanoseconds")
+    if base is not None:
+        if isinstance(base, bool) or not isinstance(base, int | float | str):
+            raise InputError(f"{p}: baseTimeNanoseconds must be an integer, got {base!r}")
+        try:
+            base = int(base)
+        except (TypeError, ValueError, OverflowError):
+            raise InputError(f"{p}: baseTimeNanoseconds must be an integer, got {base!r}"
+                             ) from None
+    return KinetoTrace(doc["traceEvents"], base)
+
+
 def load_kineto(path: Path) -> ImportedRun:
     """Import a Kineto trace.
 
@@ -53,13 +98,11 @@ def load_kineto(path: Path) -> ImportedRun:
         An ImportedRun with state/step spans from ``kvscope.*`` annotations, ``h2d`` activity
         spans and a `summary` of kernels, syncs, copies and flows.
     Raises:
-        InputError: unreadable, cut or invalid JSON, or JSON without `traceEvents`.
+        InputError: as `read_trace`.
     """
-    doc = parse_json(read_bytes(path), path)
-    if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
-        raise InputError(f"{path}: not a Kineto/Chrome trace (no traceEvents list)")
-    events: list[Any] = doc["traceEvents"]
-    base = doc.get("baseTimeNanoseconds")
+    trace = read_trace(path)
+    events: list[Any] = trace.events
+    base = trace.base_ns
     run = ImportedRun.empty("kineto", path)
 
     # One pass over the events for the category; everything after works on index arrays.

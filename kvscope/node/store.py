@@ -8,19 +8,15 @@ parts while the store exceeds its disk bound (readers report them as gaps).
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
-import pyarrow as pa
-
-from agent.runstore import RunStoreWriter
-from agent.schema import EVENTS_SCHEMA, SAMPLES_SCHEMA
-from collectors.base import Collection, Event, Sample
+from agent.runstore.writer import RunStoreWriter
+from agent.telemetry.tables import events_table, samples_table
+from collectors.base import Collection
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +75,9 @@ class StoreSink:
                 self._pending_samples = 0
             res = FlushResult()
             samples = [s for _, c in batch for s in c.samples]
-            events = [e for _, c in batch for e in c.events]
+            # Collector events name no request: the table's request_id is null.
+            events = [(e.ts_ns, e.source, e.name, None, e.detail) for _, c in batch
+                      for e in c.events]
             off = self.writer.anchor.offset_ns
             try:
                 if samples:
@@ -110,52 +108,3 @@ class StoreSink:
     @property
     def pending_samples(self) -> int:
         return self._pending_samples
-
-
-# NOTE: every column is built from buffers. `pa.array()` probes its input with pandas' type
-# checks and imports pandas when it is installed (~0.5 s and tens of MiB); the agent must stay
-# free of it, and these tables are small enough that building the buffers costs nothing.
-
-
-def _int64(values: tuple[int, ...], offset: int = 0) -> pa.Array:
-    buf = np.fromiter(values, dtype=np.int64, count=len(values))
-    if offset:
-        buf += offset
-    return pa.Array.from_buffers(pa.int64(), len(values), [None, pa.py_buffer(buf)])
-
-
-def _float64(values: tuple[float, ...]) -> pa.Array:
-    buf = np.fromiter(values, dtype=np.float64, count=len(values))
-    return pa.Array.from_buffers(pa.float64(), len(values), [None, pa.py_buffer(buf)])
-
-
-def _string(values: tuple[str | None, ...] | list[str | None]) -> pa.Array:
-    n = len(values)
-    enc = [b"" if v is None else v.encode() for v in values]
-    offsets = np.zeros(n + 1, dtype=np.int32)
-    np.cumsum(np.fromiter(map(len, enc), dtype=np.int32, count=n), out=offsets[1:])
-    valid = np.fromiter((v is not None for v in values), dtype=bool, count=n)
-    nulls = n - int(valid.sum())
-    bitmap = pa.py_buffer(np.packbits(valid, bitorder="little")) if nulls else None
-    return pa.Array.from_buffers(pa.string(), n, [bitmap, pa.py_buffer(offsets),
-                                                  pa.py_buffer(b"".join(enc))], null_count=nulls)
-
-
-def samples_table(samples: list[Sample], offset_ns: int) -> pa.Table:
-    """Samples (monotonic ts) → a `samples` table in epoch ns."""
-    ts, source, entity, metric, value, unit = zip(*samples, strict=True)
-    return pa.Table.from_arrays(
-        [_int64(ts, offset_ns), _string(source), _string(entity), _string(metric),
-         _float64(value), _string(unit)],
-        schema=SAMPLES_SCHEMA,
-    )
-
-
-def events_table(events: list[Event], offset_ns: int) -> pa.Table:
-    """Events (monotonic ts) → an `events` table in epoch ns (detail as JSON text)."""
-    ts, source, name, detail = zip(*events, strict=True)
-    return pa.Table.from_arrays(
-        [_int64(ts, offset_ns), _string(source), _string(name), _string([None] * len(events)),
-         _string([None if d is None else json.dumps(d, sort_keys=True) for d in detail])],
-        schema=EVENTS_SCHEMA,
-    )

@@ -100,7 +100,7 @@ def test_torch_profiler_ranges_carry_kvscope_names_and_payloads(tmp_path: Path) 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         assert _scenario(rec) == EXPECTED
         ann = rec.annotators[0]
-        ann.end(ann.start("forward", 3))  # a step phase range, as EngineTelemetry.phase does
+        ann.end(ann.start("forward", 3))  # a step phase range, as EngineInstrumentation.phase does
     names = [e.name for e in prof.events() if e.name.startswith("kvscope.")]
     # request_num 0 (the first request of this recorder) is in every stage range's name.
     assert sorted(set(names)) == ["kvscope.decode#0", "kvscope.forward#3", "kvscope.lookup#0",

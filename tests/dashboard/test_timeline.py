@@ -243,7 +243,7 @@ def test_merge_bad_file(tmp_path: Path) -> None:
     bad.write_text('{"events": []}')
     with pytest.raises(InputError, match="no 'traceEvents'"):
         load_kineto(bad)
-    with pytest.raises(InputError, match="no such trace file"):
+    with pytest.raises(InputError, match="no such file"):
         load_kineto(tmp_path / "missing.json")
 
 def test_cli(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

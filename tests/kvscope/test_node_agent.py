@@ -16,7 +16,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-import pyarrow as pa
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -444,21 +443,3 @@ def test_defaults_and_option_parsing():
     assert parse_size("none") is None
     with pytest.raises(InputError, match="--max-disk-bytes"):
         parse_size("lots")
-
-
-def test_samples_table_round_trip_types(tmp_path):
-    from kvscope.node.store import events_table, samples_table
-
-    t = samples_table([Sample(5, "host", None, "m", 1.5, None),
-                       Sample(7, "nic", "eth0", "métrique", -2.0, "bytes")], 10)
-    assert t.to_pylist() == [
-        {"ts_ns": 15, "source": "host", "entity": None, "metric": "m", "value": 1.5,
-         "unit": None},
-        {"ts_ns": 17, "source": "nic", "entity": "eth0", "metric": "métrique", "value": -2.0,
-         "unit": "bytes"}]
-    t.validate(full=True)
-    assert t.schema.field("ts_ns").type == pa.int64()
-    e = events_table([Event(1, "nvml", "xid", {"xid": 79, "gpu": "0"})], 0)
-    assert e.column("detail").to_pylist() == ['{"gpu": "0", "xid": 79}']
-    assert e.column("request_id").null_count == 1
-    e.validate(full=True)

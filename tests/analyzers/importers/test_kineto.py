@@ -1,12 +1,15 @@
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pyarrow as pa
 
 from agent.telemetry.partition import check_partition
 from analyzers.importers import detect, load
 from analyzers.importers.base import us_to_ns
-from analyzers.importers.kineto import split_name
+from analyzers.importers.kineto import load_kineto, split_name
 from tests.analyzers.importers.fixtures import T0, ann, kineto_trace
 from tests.conftest import shared_data
 
@@ -204,3 +207,19 @@ def test_unreadable_run_json_falls_back_to_numbers(tmp_path):
     (tmp_path / "run.json").write_text("{not json")
     run = load(kineto_trace(tmp_path, _two_requests(), base_ns=T0))
     assert sorted(run.requests["request_id"]) == ["3", "4"]
+
+
+def test_the_importer_and_the_timeline_read_the_json_array_form_alike(tmp_path: Path) -> None:
+    """Chrome's JSON Array Format (a bare list of events) is a trace too, for both users of
+    the one reader."""
+    from dashboard.timeline.kineto import load_kineto as timeline_events
+
+    events = [{"ph": "X", "cat": "user_annotation", "name": "kvscope.prefill#0",
+               "ts": 1_700_000_000_000_000.0, "dur": 50.0, "pid": 1, "tid": 1},
+              {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 1_700_000_000_000_010.0,
+               "dur": 5.0, "pid": 0, "tid": 7}]
+    path = tmp_path / "array.json"
+    path.write_text(json.dumps(events))
+    run = load_kineto(path)
+    assert run.summary["kernels"]["count"] == 1 and run.summary["events"] == 2
+    assert timeline_events(path) == (events, 0)
