@@ -170,7 +170,7 @@ def test_merge_foreign_files(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         fh.seek((root - 1) * page)
         fh.write(b"\xff" * page)
     run = make_run(tmp_path / "run", T0)
-    for path, message in ((broken, "not a JSON trace"),
+    for path, message in ((broken, "truncated gzip"),
                           (other, "SQLite without Nsight Systems tables"),
                           (truncated, "corrupt or truncated SQLite"),
                           (damaged, "corrupt or truncated SQLite .*malformed"),
