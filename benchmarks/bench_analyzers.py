@@ -22,6 +22,7 @@ import argparse
 import gc
 import os
 import statistics
+import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -32,11 +33,15 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from agent.runstore import RunStoreWriter, open_run
-from agent.schema import ACCOUNTING_COLUMNS, STAGE_PRIORITY, TTFT_STAGES
-from analyzers.accounting import token_accounting
-from analyzers.synthetic import SyntheticConfig, generate
-from analyzers.ttft import partition, summarize
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # the synthetic generator lives with the tests
+    sys.path.insert(0, str(ROOT))
+
+from agent.runstore import RunStoreWriter, open_run  # noqa: E402
+from agent.schema import ACCOUNTING_COLUMNS, STAGE_PRIORITY, TTFT_STAGES  # noqa: E402
+from analyzers.accounting import token_accounting  # noqa: E402
+from analyzers.ttft import partition, summarize  # noqa: E402
+from tests.synthetic_run import SyntheticConfig, generate  # noqa: E402
 
 PART_ROWS = 1_000_000
 _RANK = {s: i for i, s in enumerate(STAGE_PRIORITY)}

@@ -100,7 +100,7 @@ def _extra_tables(requests: pa.Table, rng: np.random.Generator) -> dict[str, pa.
 def build_run(path: Path, requests: int, *, seed: int = 0, **knobs: float) -> Path:
     """Write a synthetic run store of `requests` requests to `path`; returns `path`."""
     from agent.runstore import RunStoreWriter
-    from analyzers.synthetic import SyntheticConfig, generate
+    from tests.synthetic_run import SyntheticConfig, generate
 
     tables = generate(SyntheticConfig(requests=requests, seed=seed, **knobs))
     tables.update(_extra_tables(tables["requests"], np.random.default_rng(seed + 1)))

@@ -10,8 +10,8 @@ row pays the same loop overhead, shown on its own line):
 - boundary: a default `Recorder()`'s `stage(rn, state)`: ends the request's current state and
   starts the next — clock read, NVTX end/start range with the request payload (the `nvtx`
   package's no-op domain when no profiler is attached, as on this machine), columnar append.
-  Variants isolate NVTX (`nvtx=False`, and the real NVTX C calls via `force_real_nvtx=True`)
-  and the clock (`t` passed in).
+  Variants isolate NVTX (`nvtx=False`, and the real NVTX C calls through
+  `tests.conftest.real_nvtx_annotator`) and the clock (`t` passed in).
 - otel span: OpenTelemetry SDK `tracer.start_span(name, attributes={1 attribute}).end()` on a
   `TracerProvider` with a `BatchSpanProcessor` feeding an exporter that discards (the normal
   production processor, minus the network).
@@ -56,6 +56,7 @@ from prometheus_client import CollectorRegistry, Histogram  # noqa: E402
 from agent.runstore import RunStoreWriter  # noqa: E402
 from agent.schema import LATENCY_BUCKETS_S, STATES  # noqa: E402
 from agent.telemetry import Recorder  # noqa: E402
+from tests.conftest import real_nvtx_annotator  # noqa: E402
 
 TARGET_BOUNDARY_NS = 1000.0
 TARGET_OTEL_RATIO = 20.0
@@ -250,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     boundaries = {
         "boundary": BoundaryBench(Recorder(), 1000, args.calls),
         "boundary, nvtx=False": BoundaryBench(Recorder(nvtx=False), 1000, args.calls),
-        "boundary, real NVTX calls": BoundaryBench(Recorder(force_real_nvtx=True), 1000,
+        "boundary, real NVTX calls": BoundaryBench(Recorder(nvtx=real_nvtx_annotator()), 1000,
                                                    args.calls),
         "boundary, t passed in": BoundaryBench(Recorder(), 1000, args.calls, pass_t=True),
     }

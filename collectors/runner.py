@@ -15,7 +15,7 @@ In-process use, e.g. beside the engine in `kvscope run` so one run store holds b
 
 `on_samples(collector_name, collection)` runs on the collector's thread and returns how many
 samples it dropped (or None); `readings()` is the latest snapshot for Prometheus/OTLP exporters
-(`collectors.prometheus.CollectorExposition(runner)` registers it with prometheus-client).
+(`collectors.exposition.CollectorExposition(runner)` registers it with prometheus-client).
 """
 
 from __future__ import annotations

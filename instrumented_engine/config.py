@@ -8,11 +8,14 @@ that could produce different KV for the same tokens never share a prefix hit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 DTYPES: tuple[str, ...] = ("float32", "float64", "bfloat16", "float16")
 MODEL_PRESETS: tuple[str, ...] = ("tiny", "small", "medium")
+#: How blocks reach the host tier: `evict` (device evictions are saved) or `through` (every new
+#: full block is written behind). See instrumented_engine.tiers.config.TierConfig.
+HOST_WRITES: tuple[str, ...] = ("evict", "through")
 
 
 def _check_int(name: str, value: int, lo: int, hi: int | None = None) -> None:
@@ -165,7 +168,3 @@ class EngineConfig:
             "dtype": self.dtype,
             "adapter_id": self.adapter_id or "",
         }
-
-    def with_(self, **changes: Any) -> EngineConfig:
-        """A copy with `changes` applied (validated again)."""
-        return replace(self, **changes)

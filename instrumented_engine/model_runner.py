@@ -8,7 +8,6 @@ the last row of a request whose chunk reaches its last known token).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,8 +65,6 @@ class ModelRunner:
              torch.zeros(shape, dtype=dtype, device=self.device))
             for _ in range(mc.num_layers)
         ]
-        #: Test hook: called with (sampling requests, (S, vocab) logits) every step.
-        self.logits_observer: Callable[[list[Request], torch.Tensor], None] | None = None
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -112,8 +109,6 @@ class ModelRunner:
         if not inp.sampling:
             return None
         logits = self.model.compute_logits(hidden.index_select(0, inp.logits_rows))
-        if self.logits_observer is not None:
-            self.logits_observer(inp.sampling, logits)
         return logits if logits.dtype == torch.float64 else logits.float()
 
     @torch.inference_mode()

@@ -20,7 +20,6 @@ import numpy as np
 
 from agent.errors import InputError
 from instrumented_engine.config import (
-    DTYPES,
     MODEL_PRESETS,
     CacheConfig,
     EngineConfig,
@@ -30,53 +29,11 @@ from instrumented_engine.config import (
 from instrumented_engine.core.request import RequestOutput
 from instrumented_engine.driver import RunResult
 from instrumented_engine.workloads import build_workload
+from kvscope.run_options import DEFAULT_METRICS_PORT, RunOptions, default_out
 
-#: Where `kvscope run` serves /metrics by default: not 9090/9100/9400/9464 (Prometheus,
-#: node_exporter, dcgm-exporter, OTel's Prometheus exporter) nor 9477 (`kvscope agent`).
-DEFAULT_METRICS_PORT = 9478
 PROFILE_TRACE = "profile/torch_trace.json"
 
-# Config validation names fields; the CLI user knows them as options.
-_OPTION_NAMES = {
-    "cache.block_size": "--block-size",
-    "cache.num_blocks": "--num-blocks",
-    "scheduler.max_num_seqs": "--max-num-seqs",
-    "scheduler.max_num_batched_tokens": "--max-batched-tokens",
-    "dtype": "--dtype",
-    "device": "--device",
-}
-
-
-@dataclass(slots=True, frozen=True)
-class RunOptions:
-    """Everything `kvscope run` takes (see its --help for meanings)."""
-
-    workload: str = "docqa"
-    num_requests: int = 30
-    seed: int = 0
-    out: Path = Path("runs/run")
-    model: str = "small"
-    block_size: int = 16
-    num_blocks: int = 512
-    max_num_seqs: int = 16
-    max_batched_tokens: int = 512
-    prefix_caching: bool = True
-    rate: float = 4.0
-    device: str = "cpu"
-    dtype: str | None = None
-    metrics_port: int = DEFAULT_METRICS_PORT
-    listen_address: str = "127.0.0.1"
-    profile: bool = False
-    scale: float | None = None
-    time_scale: float = 1.0
-    tenants: int = 1
-    threads: int = 0
-    collectors: bool = True
-    host_blocks: int = 0
-    remote: str | None = None
-    host_write: str = "evict"
-    faults: tuple[str, ...] = ()
-    remote_timeout_ms: float = 500.0
+__all__ = ["DEFAULT_METRICS_PORT", "PROFILE_TRACE", "RunOptions", "RunSummary", "run_session"]
 
 
 @dataclass(slots=True)
@@ -150,7 +107,8 @@ def summarise(outputs: list[RequestOutput], requests: int, result: RunResult, ou
 
 
 def engine_config(opts: RunOptions, model: ModelConfig) -> EngineConfig:
-    """The engine config of a run; config errors become `InputError`s naming the option."""
+    """The engine config of a run. `RunOptions` already checked each option's bounds, so an
+    error here is a combination the engine refuses (its message names the config field)."""
     dtype = opts.dtype or ("bfloat16" if opts.device.startswith("cuda") else "float32")
     try:
         return EngineConfig(
@@ -163,28 +121,15 @@ def engine_config(opts: RunOptions, model: ModelConfig) -> EngineConfig:
             dtype=dtype,
         )
     except ValueError as exc:
-        msg = str(exc)
-        for field, option in _OPTION_NAMES.items():
-            if msg.startswith(field + ":"):
-                msg = option + msg[len(field):]
-                break
-        raise InputError(msg) from None
+        raise InputError(str(exc)) from None
 
 
 def tier_config(opts: RunOptions) -> tuple[Any, Any]:
     """The tiers of a run (a `TierConfig`) and its remote store, opened once here (None
     without `--remote`); bad values become `InputError`s naming the option."""
     from instrumented_engine.tiers import RemoteError, ResilienceConfig, open_remote, parse_faults
-    from instrumented_engine.tiers.config import HOST_WRITES, TierConfig
+    from instrumented_engine.tiers.config import TierConfig
 
-    if opts.host_blocks < 0:
-        raise InputError(f"--host-blocks: must be >= 0 (0 = no host tier), got {opts.host_blocks}")
-    if opts.host_write not in HOST_WRITES:
-        raise InputError(f"--host-write: expected one of {', '.join(HOST_WRITES)}, got "
-                         f"{opts.host_write!r}")
-    if not 0 < opts.remote_timeout_ms <= 600_000:
-        raise InputError(f"--remote-timeout-ms: must be in (0, 600000], got "
-                         f"{opts.remote_timeout_ms}")
     faults = parse_faults(list(opts.faults), seed=opts.seed)
     if faults.active and opts.remote is None:
         raise InputError("--fault: remote faults need a remote tier (--remote URL)")
@@ -200,14 +145,7 @@ def tier_config(opts: RunOptions) -> tuple[Any, Any]:
                       host_write=opts.host_write, faults=faults, resilience=resilience), store
 
 
-def _check_options(opts: RunOptions) -> None:
-    if opts.dtype is not None and opts.dtype not in DTYPES:
-        raise InputError(f"--dtype: expected one of {', '.join(DTYPES)}, got {opts.dtype!r}")
-    if not 0 <= opts.metrics_port <= 65535:
-        raise InputError(f"--metrics-port: must be in 0..65535 (0 = off), got "
-                         f"{opts.metrics_port}")
-    if opts.threads < 0:
-        raise InputError(f"--threads: must be >= 0 (0 = auto), got {opts.threads}")
+def _check_device(opts: RunOptions) -> None:
     if opts.device != "cpu":
         import torch
 
@@ -266,7 +204,10 @@ def run_session(opts: RunOptions, *, on_start: Callable[[int, str | None], None]
     Raises:
         InputError: a bad option, workload file or checkpoint (one line, naming it).
     """
-    _check_options(opts)
+    _check_device(opts)
+    if opts.out is None:
+        opts = dataclasses.replace(opts, out=default_out(opts.workload))
+    assert opts.out is not None
     tiers, remote_store = tier_config(opts)
     import torch
 

@@ -11,6 +11,7 @@ import os
 import shutil
 import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -43,3 +44,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def real_nvtx_annotator() -> Any:
+    """An `NvtxAnnotator` on the real `nvtx.Domain` although no tool is attached: what
+    `nvtx.get_domain` returns under Nsight Systems, minus its "is a tool attached" check (the C
+    calls are then no-ops). Tests and benchmarks run the profiler's code path with it."""
+    from nvtx._lib import Domain
+    from nvtx._lib.lib import DomainHandle
+
+    from agent.schema import STATES, STEP_PHASES
+    from agent.telemetry.annotate import NVTX_DOMAIN, NvtxAnnotator
+
+    dom = object.__new__(Domain)
+    dom.handle = DomainHandle(NVTX_DOMAIN)
+    dom.__init__(NVTX_DOMAIN)
+    return NvtxAnnotator((*STATES, *STEP_PHASES), domain=dom)

@@ -27,11 +27,12 @@ class NvtxAnnotator:
 
     Args:
         names: the range names to pre-register (stage and phase names).
-        force_real: use the real `nvtx.Domain` even when no tool is attached (tests exercise the
-            CUDA-profiler code path this way: without a tool the C calls are no-ops).
+        domain: the NVTX domain to annotate on; default `nvtx.get_domain("kvscope")`, which is
+            nvtx's no-op dummy when no tool is attached. (Tests and benchmarks pass a real
+            `nvtx.Domain` to run the profiler's code path without a tool.)
     """
 
-    def __init__(self, names: tuple[str, ...], *, force_real: bool = False) -> None:
+    def __init__(self, names: tuple[str, ...], *, domain: Any = None) -> None:
         self.available = False
         self.real = False
         self._attrs: dict[str, Any] = {}
@@ -39,15 +40,8 @@ class NvtxAnnotator:
         try:
             import nvtx
             from nvtx._lib import Domain as _RealDomain
-            from nvtx._lib.lib import DomainHandle
 
-            if force_real:
-                # What `Domain.__new__` does when a tool is attached, minus the enabled check.
-                dom = object.__new__(_RealDomain)
-                dom.handle = DomainHandle(NVTX_DOMAIN)
-                dom.__init__(NVTX_DOMAIN)
-            else:
-                dom = nvtx.get_domain(NVTX_DOMAIN)
+            dom = nvtx.get_domain(NVTX_DOMAIN) if domain is None else domain
             self.real = isinstance(dom, _RealDomain)
             self._domain = dom
             for n in names:

@@ -89,8 +89,8 @@ class Recorder(RequestStates, OtherRecords):
         segment_rows: rows per preallocated segment.
         max_segments: full segments a table may hold before a drain; beyond it rows are dropped
             and counted (bounded memory when no exporter drains).
-        nvtx: emit NVTX ranges (domain ``kvscope``).
-        force_real_nvtx: use the real NVTX domain even with no tool attached (tests).
+        nvtx: emit NVTX ranges (domain ``kvscope``): True, False, or the `NvtxAnnotator` to
+            emit them through.
         clock: the monotonic clock in ns (injectable for tests).
         anchor: the process clock anchor used to convert to epoch ns on drain.
         retain_ids: request ids kept after it is safe to forget them, so rows recorded for a
@@ -102,8 +102,7 @@ class Recorder(RequestStates, OtherRecords):
         *,
         segment_rows: int = 16384,
         max_segments: int = 64,
-        nvtx: bool = True,
-        force_real_nvtx: bool = False,
+        nvtx: bool | NvtxAnnotator = True,
         clock: Any = now_ns,
         anchor: ClockAnchor | None = None,
         retain_ids: int = 4096,
@@ -150,7 +149,8 @@ class Recorder(RequestStates, OtherRecords):
         self._nv_end: Any = None
         attrs: list[Any] = [None] * len(STATES)
         if nvtx:
-            ann = NvtxAnnotator((*STATES, *STEP_PHASES), force_real=force_real_nvtx)
+            ann = (nvtx if isinstance(nvtx, NvtxAnnotator)
+                   else NvtxAnnotator((*STATES, *STEP_PHASES)))
             if ann.available:
                 self.nvtx = ann
                 attrs = [ann.attributes(s) for s in STATES]

@@ -220,11 +220,6 @@ class RequestStates:
         except Exception:
             self._error()
 
-    def current_state(self, rn: int) -> str | None:
-        """The state request `rn` is in now (None when it is not open)."""
-        op = self._open.get(rn)
-        return None if op is None else STATES[op.state]
-
     def request_end(
         self,
         rn: int,

@@ -26,7 +26,7 @@ __all__ = ["FORMATS", "ImportedRun", "detect", "load"]
 
 #: format name → "module:function"; imported lazily so `detect` stays cheap.
 FORMATS: dict[str, str] = {
-    "prometheus": "analyzers.importers.prometheus:load_prometheus",
+    "prometheus": "analyzers.importers.metrics_text:load_prometheus",
     "otlp": "analyzers.importers.otlp:load_otlp",
     "kineto": "analyzers.importers.kineto:load_kineto",
     "nsys": "analyzers.importers.nsys:load_nsys",

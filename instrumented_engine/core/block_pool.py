@@ -109,9 +109,6 @@ class BlockPool:
         self.evicted = 0
 
     # ------------------------------------------------------------------ queries
-    def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
-        return self.cached.get(block_hash)
-
     @property
     def num_free_blocks(self) -> int:
         return self.free_queue.num_free

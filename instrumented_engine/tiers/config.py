@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from instrumented_engine.config import HOST_WRITES
 from instrumented_engine.tiers.faults import FaultSpec
 from instrumented_engine.tiers.remote import ResilienceConfig
 
-#: How blocks reach the host tier: `evict` (device evictions are saved) or `through` (every new
-#: full block is written behind).
-HOST_WRITES: tuple[str, ...] = ("evict", "through")
+__all__ = ["HOST_WRITES", "TierConfig"]
 
 
 @dataclass(slots=True, frozen=True)

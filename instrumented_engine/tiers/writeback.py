@@ -40,12 +40,10 @@ class WriteBehind:
         host: the host pool (None: skip the host tier).
         remote: the remote tier (None: skip it).
         capacity: queued blocks at most (>= 1).
-        start: start the worker now (tests may pass False to fill the queue deterministically,
-            then call `start()`).
     """
 
     def __init__(self, host: HostKVPool | None, remote: ResilientRemote | None, *,
-                 capacity: int = 256, start: bool = True) -> None:
+                 capacity: int = 256) -> None:
         if not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"WriteBehind capacity must be an int >= 1, got {capacity!r}")
         self.host = host
@@ -54,16 +52,8 @@ class WriteBehind:
         self.stats = OpStats()
         self._q: queue.Queue[_Job | object] = queue.Queue(maxsize=capacity)
         self._thread = threading.Thread(target=self._work, name="kvscope-writeback", daemon=True)
-        self._started = False
         self._closed = False
-        if start:
-            self.start()
-
-    def start(self) -> None:
-        """Start the worker (once)."""
-        if not self._started:
-            self._started = True
-            self._thread.start()
+        self._thread.start()
 
     def submit(self, digest: bytes, namespace: bytes, payload: torch.Tensor) -> bool:
         """Queue one block; never blocks.
@@ -123,14 +113,12 @@ class WriteBehind:
 
     def flush(self) -> None:
         """Wait until every queued block has been stored (or failed)."""
-        if self._started:
-            self._q.join()
+        self._q.join()
 
     def close(self) -> None:
         """Flush, then stop the worker."""
         if self._closed:
             return
         self._closed = True
-        if self._started:
-            self._q.put(_STOP)
-            self._thread.join()
+        self._q.put(_STOP)
+        self._thread.join()

@@ -22,7 +22,7 @@ from agent.errors import InputError
 from agent.exporters.http import MetricsServer
 from agent.runstore import RunStoreWriter
 from collectors.base import BaseCollector, Collection
-from collectors.prometheus import CONTENT_TYPE, CollectorExposition, TextRenderer
+from collectors.exposition import CONTENT_TYPE, CollectorExposition, TextRenderer
 from collectors.runner import CollectorRunner, default_collectors
 from kvscope.node.config import SELF_PROCESS, AgentConfig
 from kvscope.node.store import StoreSink

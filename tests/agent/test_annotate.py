@@ -12,6 +12,7 @@ from agent.clock import ClockAnchor
 from agent.schema import STATE_CODE, STATES, STEP_PHASES
 from agent.telemetry import Recorder, RequestAccounting
 from agent.telemetry.annotate import NVTX_DOMAIN, NvtxAnnotator, TorchProfilerAnnotator
+from tests.conftest import real_nvtx_annotator
 
 ANCHOR = ClockAnchor(wall_ns=0, mono_ns=0)
 Q, PREFILL = STATE_CODE["queue"], STATE_CODE["prefill"]
@@ -43,7 +44,7 @@ def test_default_nvtx_uses_the_no_tool_domain() -> None:
 def test_forced_real_nvtx_domain_runs_without_a_tool() -> None:
     import nvtx
 
-    rec = Recorder(anchor=ANCHOR, force_real_nvtx=True)
+    rec = Recorder(anchor=ANCHOR, nvtx=real_nvtx_annotator())
     assert rec.nvtx is not None and rec.nvtx.real
     assert isinstance(rec.nvtx.domain, nvtx.Domain)
     assert _scenario(rec) == EXPECTED
@@ -56,7 +57,7 @@ def test_forced_real_nvtx_domain_runs_without_a_tool() -> None:
 
 def test_nvtx_annotator_api_on_both_domains() -> None:
     for real in (False, True):
-        ann = NvtxAnnotator((*STATES, *STEP_PHASES), force_real=real)
+        ann = real_nvtx_annotator() if real else NvtxAnnotator((*STATES, *STEP_PHASES))
         assert ann.available and ann.real == real
         rid = ann.start("queue", 7)
         assert isinstance(rid, int)

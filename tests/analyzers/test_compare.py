@@ -14,9 +14,9 @@ from agent.schema import TABLES
 from analyzers.accounting import TokenAccounting, token_accounting
 from analyzers.compare import compare, compare_frames
 from analyzers.report import render_comparison
-from analyzers.synthetic import SyntheticConfig, generate
 from analyzers.ttft import partition
 from tests.conftest import GOLDEN_RUN
+from tests.synthetic_run import SyntheticConfig, generate
 
 
 def _frames(cfg: SyntheticConfig) -> tuple[pd.DataFrame, TokenAccounting]:

@@ -12,7 +12,7 @@ from instrumented_engine.engine import LLMEngine
 from instrumented_engine.tiers.config import TierConfig
 from instrumented_engine.workloads import ChatConfig, DocQAConfig, chat, docqa
 from instrumented_engine.workloads.base import Arrival
-from tests.instrumented_engine.helpers import tiny_config, tokens
+from tests.instrumented_engine.helpers import tapped_model, tiny_config, tokens
 
 # Logits of a prefill that reuses cached blocks vs a full prefill, both float64: they differ
 # only in summation order (a few ulps of values of order 1).
@@ -49,29 +49,21 @@ def test_greedy_outputs_equal_with_caching_on_and_off(workload: str) -> None:
                                                if a.request_id == rid)
 
 
-def _first_logits(eng: LLMEngine) -> dict[str, torch.Tensor]:
-    seen: dict[str, torch.Tensor] = {}
-
-    def observe(reqs, logits: torch.Tensor) -> None:
-        for r, row in zip(reqs, logits, strict=True):
-            seen.setdefault(r.request_id, row.clone())
-
-    eng.runner.logits_observer = observe
-    return seen
-
-
 def test_prefill_reusing_cached_blocks_matches_full_prefill_logits() -> None:
     prefix, suffix = tokens(1, 200), tokens(2, 37)
-    cached = LLMEngine(tiny_config())
-    seen_cached = _first_logits(cached)
+    cfg = tiny_config()
+    model, seen_cached = tapped_model(cfg)
+    cached = LLMEngine(cfg, model=model)
     cached.generate([prefix + tokens(3, 5)], max_tokens=1)
     out = cached.generate([prefix + suffix], max_tokens=1)[0]
     assert out.accounting.device_hit_tokens == 192  # 12 full blocks of 16
     assert out.accounting.recomputed_tokens == 45
-    cold = LLMEngine(tiny_config(prefix_caching=False))
-    seen_cold = _first_logits(cold)
-    cold.generate([prefix + suffix], max_tokens=1)
-    a, b = seen_cached["req-1"], seen_cold["req-0"]
+    cold_cfg = tiny_config(prefix_caching=False)
+    model, seen_cold = tapped_model(cold_cfg)
+    LLMEngine(cold_cfg, model=model).generate([prefix + suffix], max_tokens=1)
+    # One sampling step per request (max_tokens=1): the second request's, against the cold one.
+    assert len(seen_cached) == 2 and len(seen_cold) == 1
+    a, b = seen_cached[1][0], seen_cold[0][0]
     assert torch.allclose(a, b, atol=LOGITS_TOL, rtol=0), (a - b).abs().max()
 
 

@@ -13,7 +13,7 @@ from agent.errors import InputError
 from instrumented_engine.config import EngineConfig
 from instrumented_engine.engine import LLMEngine
 from instrumented_engine.model.loader import load_hf_checkpoint, read_hf_config
-from tests.instrumented_engine.helpers import tokens
+from tests.instrumented_engine.helpers import tapped_model, tokens
 from tests.instrumented_engine.model.reference import dense_logits
 
 HF_CONFIG = {
@@ -91,11 +91,11 @@ def test_loaded_checkpoint_matches_dense_reference(tmp_path: Path, tied: bool) -
     assert cfg.model_id == "ckpt" and len(cfg.revision) == 16
     prompt = tokens(7, 40, vocab=96)
     want = dense_logits(_engine_names(tensors), cfg, prompt)[-1]
-    seen: list[torch.Tensor] = []
-    eng = LLMEngine(EngineConfig(model=cfg, dtype="float64"), model=model)
-    eng.runner.logits_observer = lambda _reqs, logits: seen.append(logits[0].clone())
+    ecfg = EngineConfig(model=cfg, dtype="float64")
+    model, seen = tapped_model(ecfg, model)
+    eng = LLMEngine(ecfg, model=model)
     out = eng.generate([prompt], max_tokens=1)[0]
-    assert torch.allclose(seen[0], want, atol=1e-10, rtol=0)
+    assert torch.allclose(seen[0][0], want, atol=1e-10, rtol=0)
     assert out.output_token_ids == [int(want.argmax())]
 
 

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from instrumented_engine.tiers.format import BlockLayout, decode
@@ -10,24 +12,41 @@ from instrumented_engine.tiers.writeback import WriteBehind
 from tests.instrumented_engine.tiers.conftest import NS, chain, payload
 
 
+class GatedHost(HostKVPool):
+    """A host pool whose first put waits for `gate`: the worker holds one job while the test
+    fills the queue behind it."""
+
+    def __init__(self, *args: object, **kw: object) -> None:
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def put(self, digest: bytes, payload: torch.Tensor) -> list[bytes]:
+        self.entered.set()
+        assert self.gate.wait(10)
+        return super().put(digest, payload)
+
+
 def test_full_queue_skips_and_counts(layout: BlockLayout, tmp_path) -> None:
-    host = HostKVPool(layout, 8, pin=False)
+    host = GatedHost(layout, 8, pin=False)
     remote = ResilientRemote(FileStore(tmp_path), layout)
-    wb = WriteBehind(host, remote, capacity=3, start=False)
-    hs = chain(5)
-    accepted = [wb.submit(h, NS, payload(layout, i)) for i, h in enumerate(hs)]
+    wb = WriteBehind(host, remote, capacity=3)
+    hs = chain(6)
+    assert wb.submit(hs[0], NS, payload(layout, 0))
+    assert host.entered.wait(10)  # the worker holds block 0; the queue is empty again
+    accepted = [wb.submit(h, NS, payload(layout, i)) for i, h in enumerate(hs[1:], start=1)]
     assert accepted == [True, True, True, False, False]
-    assert wb.stats.get("skipped") == 2 and wb.pending() == 3
-    wb.start()
+    assert wb.stats.get("skipped") == 2 and wb.pending() == 4
+    host.gate.set()
     wb.flush()
     assert wb.pending() == 0
-    assert host.lookup(hs, 0) == 3
-    assert remote.lookup(hs, 0) == 3
+    assert host.lookup(hs, 0) == 4
+    assert remote.lookup(hs, 0) == 4
     data = remote.store.read_many([hs[2]])[0]
     assert data is not None and torch.equal(decode(data, layout, NS), payload(layout, 2))
-    assert wb.stats.get("host_stored") == 3 and wb.stats.get("remote_stored") == 3
+    assert wb.stats.get("host_stored") == 4 and wb.stats.get("remote_stored") == 4
     wb.close()
-    assert not wb.submit(hs[4], NS, payload(layout, 4))
+    assert not wb.submit(hs[5], NS, payload(layout, 5))
     assert wb.stats.get("skipped_closed") == 1
     remote.close()
 

@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agent.schema import catalogued_series
 from collectors.base import Reading
-from collectors.prometheus import CollectorExposition, TextRenderer
+from collectors.exposition import CollectorExposition, TextRenderer
 from collectors.runner import CollectorRunner, default_collectors
 from tests.collectors.fake_nvml import FakeGpu, FakeNvml
 from tests.collectors.trees import FakeRoot
