@@ -1,7 +1,7 @@
-"""The executable form of ../shared/DESIGN.md: enums, Arrow schemas and the metric catalogue.
+"""The executable form of docs/DESIGN.md: enums, Arrow schemas and the metric catalogue.
 
 Every other part of kvscope names stages, tiers, columns and metrics through this module. When
-this file and DESIGN.md disagree, fix one of them in the same change.
+this file and docs/DESIGN.md disagree, fix one of them in the same change.
 
 Run ``python -m agent.schema --metrics-md`` to regenerate ``docs/METRICS.md`` (CI checks that the
 checked-in file matches).
@@ -19,7 +19,7 @@ import pyarrow as pa
 SCHEMA_VERSION = 1
 
 # --------------------------------------------------------------------------------------------
-# Vocabulary (DESIGN.md section 2)
+# Vocabulary (docs/DESIGN.md, "Vocabulary")
 # --------------------------------------------------------------------------------------------
 
 #: TTFT stages: together they partition [arrival, first_token] of every request exactly.
@@ -68,7 +68,7 @@ EVENT_NAMES: tuple[str, ...] = (
 )
 
 # --------------------------------------------------------------------------------------------
-# Run-store tables (DESIGN.md section 3)
+# Run-store tables (docs/DESIGN.md, "The run store")
 # --------------------------------------------------------------------------------------------
 
 _I64 = pa.int64()
@@ -180,7 +180,7 @@ TABLES: dict[str, pa.Schema] = {
 RUN_JSON_KEYS: tuple[str, ...] = ("schema_version", "kvscope_version", "run_id", "clock", "config")
 
 # --------------------------------------------------------------------------------------------
-# Metric catalogue (DESIGN.md section 5)
+# Metric catalogue (docs/DESIGN.md, "Names")
 # --------------------------------------------------------------------------------------------
 
 MetricType = Literal["counter", "gauge", "histogram", "info"]

@@ -1,4 +1,5 @@
-"""Token accounting (DESIGN.md section 2): where each prompt token's KV came from, with every
+"""Token accounting (docs/DESIGN.md, "Token accounting"): where each prompt token's KV came
+from, with every
 ratio carried as numerator / denominator (unit), never as a bare percentage.
 
 The population is the requests that produced a first token (the identity
@@ -276,7 +277,7 @@ def _groups(served: pd.DataFrame, by: str | Sequence[str]) -> pd.DataFrame:
 
 
 def check_identity(requests: pd.DataFrame) -> pd.DataFrame:
-    """Requests whose accounting breaks a rule of DESIGN.md section 2.
+    """Requests whose accounting breaks a rule of docs/DESIGN.md, "Token accounting".
 
     Checked for requests with a first token: ``prompt = device_hit + host_loaded +
     remote_loaded + recomputed``; ``load_failed`` equals the sum of its reasons; for every

@@ -1,6 +1,7 @@
 """A ratio that always travels with its numerator, denominator and the denominator's unit.
 
-DESIGN.md: every ratio that leaves kvscope prints ``6,144 / 8,191 lookup tokens (75.0 %)``.
+docs/DESIGN.md, "Token accounting": every ratio that leaves kvscope prints
+``6,144 / 8,191 lookup tokens (75.0 %)``.
 """
 
 from __future__ import annotations

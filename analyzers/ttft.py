@@ -1,4 +1,4 @@
-"""The per-request TTFT partition (DESIGN.md section 2) and its aggregates.
+"""The per-request TTFT partition (docs/DESIGN.md, "TTFT stages") and its aggregates.
 
 `partition` turns a run's ``requests`` and ``spans`` frames into one row per request whose
 ``<stage>_ns`` columns sum exactly to ``ttft_ns``. Requests recorded with state spans take their

@@ -1,4 +1,4 @@
-"""The per-request token, byte and count accounting row (DESIGN.md section 2)."""
+"""The per-request token, byte and count accounting row (docs/DESIGN.md, "Token accounting")."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from agent.schema import ACCOUNTING_COLUMNS
 
 @dataclass(slots=True)
 class RequestAccounting:
-    """Token, byte and count accounting of one request (DESIGN.md section 2).
+    """Token, byte and count accounting of one request (docs/DESIGN.md, "Token accounting").
 
     NOTE: prompt_tokens == device_hit_tokens + host_loaded_tokens + remote_loaded_tokens +
     recomputed_tokens must hold when the request has produced its first token.

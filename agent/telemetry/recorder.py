@@ -1,9 +1,9 @@
 """The hot-path recorder: the one object the engine writes its telemetry into.
 
-Rules (DESIGN.md section 4): recording a stage boundary costs about a microsecond of Python;
-appends go into preallocated int64 columns (names interned to small codes), so a drain hands
-Arrow whole columns; no I/O, no string formatting, no OTel objects; recording never raises into
-the caller. Exporters call `drain()` from their own thread.
+Rules (docs/DESIGN.md, "Hot path rules"): recording a stage boundary costs about a
+microsecond of Python; appends go into preallocated int64 columns (names interned to small
+codes), so a drain hands Arrow whole columns; no I/O, no string formatting, no OTel objects;
+recording never raises into the caller. Exporters call `drain()` from their own thread.
 
 The request-state API (`states.RequestStates`) is the partition helper; activity/step/layer
 rows, events and samples live in `records.OtherRecords`; this module holds the buffers, the

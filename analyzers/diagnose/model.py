@@ -3,7 +3,7 @@
 A rule is a function ``(Context) -> Finding | NotEvaluated | None``: a finding when it fires,
 a `NotEvaluated` when the run lacks what it needs (say why, never guess), None when it was
 evaluated and found nothing. Every number a finding prints carries its numerator, denominator
-and unit (DESIGN.md section 2).
+and unit (docs/DESIGN.md, "Token accounting").
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ tests check that the checked-in file matches. The dashboard is importable as is:
 is the `datasource` template variable (type prometheus), and `model` and `instance` variables
 filter every engine panel. Panels show the same signals as the alert rules
 (dashboard/rules/kvscope-rules.yaml), and every ratio panel plots its numerator and denominator
-beside the share (DESIGN.md section 2). Queries name only catalogued metrics (agent/schema.py).
+beside the share (docs/DESIGN.md, "Token accounting"). Queries name only catalogued metrics
+(agent/schema.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Block identity: chained digests over full blocks, within a namespace (DESIGN.md section 2).
+"""Block identity: chained digests over full blocks, within a namespace (docs/DESIGN.md,
+"Block identity").
 
     d_i = H(d_{i-1} || namespace_digest || token_ids_i)
 

@@ -1,4 +1,4 @@
-"""The device block pool (vLLM v1 semantics, DESIGN.md section 2).
+"""The device block pool (vLLM v1 semantics, docs/DESIGN.md, "Block pool states").
 
 A block is `in_use` (ref_cnt > 0), `cached_free` (ref_cnt == 0 and still holding a valid hash:
 allocatable *and* hittable) or `empty`. Free blocks sit in one doubly linked queue threaded

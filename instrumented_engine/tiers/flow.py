@@ -1,4 +1,4 @@
-"""The host and remote tiers in the engine's request flow (docs/DESIGN.md, "Tiers").
+"""The host and remote tiers in the engine's request flow (docs/DESIGN.md, "Tiers", "TTFT stages").
 
     arrival (any thread)   lookup device → host → remote along the chain: promised hits;
                            remote hits start their prefetch into host staging at once

@@ -1,4 +1,4 @@
-"""Remote → host staging reads, started at the arrival lookup (docs/DESIGN.md, "Tiers").
+"""Remote → host staging reads, started at the arrival lookup (docs/DESIGN.md, "TTFT stages").
 
     arrival (submitting thread)  the lookup promised remote hits: their prefetch into host
                                  staging starts now, while the request still has to reach the
