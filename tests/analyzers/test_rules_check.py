@@ -48,8 +48,8 @@ def _gauge(name: str, help_: str, value: float) -> str:
             f'{name}{{model_name="Qwen/Qwen2.5-1.5B"}} {value}\n')
 
 
-#: A vLLM v1 /metrics exposition built from the names in vLLM's vllm/v1/metrics/loggers.py
-#: (vllm/v1/metrics/loggers.py): counters carry `_total`, latencies are `_seconds` histograms.
+#: A vLLM v1 /metrics exposition built from the names in vLLM's vllm/v1/metrics/loggers.py:
+#: counters carry `_total`, latencies are `_seconds` histograms.
 VLLM_V1_EXPOSITION = "".join([
     _histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token."),
     _histogram("vllm:request_queue_time_seconds", "Time in the WAITING phase."),

@@ -23,8 +23,7 @@ from agent.errors import InputError, SchemaVersionError
 from agent.runstore import RunStoreWriter, open_run
 from agent.runstore.layout import PART_RE
 from agent.schema import SCHEMA_VERSION, TABLES
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.conftest import REPO
 
 
 def samples(n: int, t0: int = 0) -> pa.Table:

@@ -21,7 +21,7 @@ from agent.exporters.ids import span_id_for, span_id_hex, trace_id_for, trace_id
 from agent.exporters.prometheus import PrometheusExporter, serve_metrics
 from agent.schema import LATENCY_BUCKETS_S, TTFT_STAGES, catalogued_series
 from agent.telemetry import EngineStatus, PoolStatus, RemoteStatus
-from tests.agent.test_exporters_common import (
+from tests.agent.exporters.common import (
     MODEL,
     RUN_ID,
     Expected,

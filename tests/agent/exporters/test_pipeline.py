@@ -26,8 +26,8 @@ from agent.exporters.runstore import RunStoreSink
 from agent.runstore import RunStoreWriter, open_run
 from agent.schema import TABLES
 from agent.telemetry import RequestAccounting
-from tests.agent.test_exporters_common import MODEL, MS, WALL, make_recorder, record_workload
-from tests.agent.test_exporters_prometheus import get, samples
+from tests.agent.exporters.common import MODEL, MS, WALL, make_recorder, record_workload
+from tests.agent.exporters.test_prometheus import get, samples
 
 _SORT = {
     "requests": ["request_num"],

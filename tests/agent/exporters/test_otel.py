@@ -21,7 +21,7 @@ from agent.exporters.ids import span_id_for, trace_id_for
 from agent.exporters.otel import OtelExporter
 from agent.schema import ACCOUNTING_COLUMNS, STATE_CODE
 from agent.telemetry import RequestAccounting
-from tests.agent.test_exporters_common import (
+from tests.agent.exporters.common import (
     MODEL,
     MS,
     RUN_ID,
