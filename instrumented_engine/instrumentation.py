@@ -16,9 +16,8 @@ No exporter, metrics or tracing library is imported here.
 
 from __future__ import annotations
 
+from agent.schema import BLOCK_STATES
 from agent.telemetry import EngineStatus, IntervalTimer, Mark, PoolStatus, Recorder, RemoteStatus
-
-_POOL_STATES = ("in_use", "cached_free", "empty")
 
 
 class EngineInstrumentation:
@@ -85,7 +84,7 @@ class EngineInstrumentation:
         last step as one event, and the engine's status published for the exporters."""
         rec = self.rec
         for p in pools:
-            for state in _POOL_STATES:
+            for state in BLOCK_STATES:
                 rec.sample("pool", state, getattr(p, state), entity=p.tier, unit="blocks", t=t)
         if evicted:
             rec.event("eviction", t=t, detail={"tier": "device", "blocks": evicted})

@@ -32,6 +32,7 @@ from agent.exporters.assembly import RequestAssembler
 from agent.exporters.ids import default_run_id
 from agent.exporters.promstate import TTFT, Labels, MetricState, Snapshot
 from agent.schema import (
+    BLOCK_STATES,
     ENGINE_METRICS,
     REMOTE_OP_OUTCOMES,
     REMOTE_OPS,
@@ -66,7 +67,6 @@ def _family(spec: MetricSpec) -> Metric:
 #: they can end in `checksum`.
 REMOTE_OP_SERIES: tuple[tuple[str, str], ...] = tuple(
     (op, o) for op in REMOTE_OPS for o in REMOTE_OP_OUTCOMES if o != "checksum" or op == "read")
-_POOL_STATES = ("in_use", "cached_free", "empty")
 
 
 def status_series(status: EngineStatus | None, model: str, *, row_preemptions: int
@@ -88,7 +88,7 @@ def status_series(status: EngineStatus | None, model: str, *, row_preemptions: i
         "kvscope_preemptions_total": {m: status.preemptions},
         "kvscope_block_pool_blocks": {
             (model, p.tier, state): getattr(p, state) for p in status.pools
-            for state in _POOL_STATES},
+            for state in BLOCK_STATES},
     }
     remote = status.remote
     if remote is not None:
