@@ -15,8 +15,11 @@ from typing import Literal
 
 import pyarrow as pa
 
-#: Bumped on any incompatible change to a table schema or run.json. Readers refuse newer stores.
-SCHEMA_VERSION = 1
+#: Bumped on any incompatible change to a table schema or run.json. Readers accept
+#: `READABLE_SCHEMA_VERSIONS` (older stores are upgraded on read) and refuse any other.
+SCHEMA_VERSION = 2
+#: 1: the first release. 2: `load_failed_mismatch_tokens`, `output_digest`, `output_token_ids`.
+READABLE_SCHEMA_VERSIONS: tuple[int, ...] = (1, 2)
 
 # --------------------------------------------------------------------------------------------
 # Vocabulary (docs/DESIGN.md, "Vocabulary")
@@ -41,10 +44,16 @@ TIERS: tuple[str, ...] = ("device", "host", "remote")
 STATUSES: tuple[str, ...] = ("ok", "error", "aborted")
 CLOCKS: tuple[str, ...] = ("cpu", "cuda_event")
 SAMPLE_SOURCES: tuple[str, ...] = ("nvml", "nic", "rdma", "host", "pool", "agent")
-LOAD_FAIL_REASONS: tuple[str, ...] = ("timeout", "checksum", "error", "circuit_open", "evicted")
+#: Why a promised block was not used: `mismatch` is an object whose embedded key (block digest,
+#: namespace, MAC key) is not the key it was fetched for, or an object of an older format.
+LOAD_FAIL_REASONS: tuple[str, ...] = ("timeout", "checksum", "mismatch", "error",
+                                      "circuit_open", "evicted")
 #: Remote tier operations and their outcomes (labels of kvscope_remote_operations_total).
 REMOTE_OPS: tuple[str, ...] = ("lookup", "read", "write")
-REMOTE_OP_OUTCOMES: tuple[str, ...] = ("ok", "timeout", "checksum", "error", "circuit_open")
+REMOTE_OP_OUTCOMES: tuple[str, ...] = ("ok", "timeout", "checksum", "mismatch", "error",
+                                       "circuit_open")
+#: Outcomes only a read can have (it is the operation that checks objects).
+READ_ONLY_OUTCOMES: tuple[str, ...] = ("checksum", "mismatch")
 BLOCK_STATES: tuple[str, ...] = ("in_use", "cached_free", "empty")
 #: Where a prompt token's KV came from; the four terms of the accounting identity.
 TOKEN_SOURCES: tuple[str, ...] = ("device_hit", "host_loaded", "remote_loaded", "recomputed")
@@ -111,6 +120,10 @@ REQUESTS_SCHEMA = pa.schema(
         pa.field("finish_ns", _I64),
         pa.field("status", _STR, nullable=False),
         *(pa.field(c, _I64, nullable=False) for c in ACCOUNTING_COLUMNS),
+        # A digest of the output token ids (hex BLAKE2b-128 over them as little-endian int64):
+        # "faults and tiers change no output" is checked from two run stores with it.
+        pa.field("output_digest", _STR),
+        pa.field("output_token_ids", pa.list_(_I64)),  # only under --record-output-ids
     ]
 )
 
@@ -306,8 +319,9 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
                "1 while the remote tier's circuit breaker is open, else 0."),
     MetricSpec("kvscope_remote_operations_total", "counter", "", (_M, "op", "outcome"),
                "Remote tier operations (lookup, read, write) by outcome (ok, timeout, checksum, "
-               "error, circuit_open); a read is `checksum` when any object failed its check. "
-               "Retries inside one operation are not counted separately."),
+               "mismatch, error, circuit_open); a read is `checksum` when any object failed "
+               "its integrity check, else `mismatch` when any object was not bound to the key "
+               "it was read for. Retries inside one operation are not counted separately."),
 )
 
 TELEMETRY_METRICS: tuple[MetricSpec, ...] = (

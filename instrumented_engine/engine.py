@@ -63,12 +63,14 @@ class LLMEngine:
         remote_store: the raw store behind `tier_config.remote`, already opened (the caller
             checked it); None opens the URL.
         clock: the monotonic clock in ns (the recorder's, so all times share one clock).
+        record_output_ids: store output token ids in the requests table (a digest of them is
+            always stored).
     """
 
     def __init__(self, config: EngineConfig, *, model: LlamaModel | None = None,
                  recorder: Recorder | None = None, tier_config: TierConfig | None = None,
                  remote_store: RemoteStore | None = None,
-                 clock: Callable[[], int] = now_ns) -> None:
+                 clock: Callable[[], int] = now_ns, record_output_ids: bool = False) -> None:
         self.config = config
         mc = config.model
         if model is None:
@@ -82,7 +84,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, config)
         self.clock = recorder.now if recorder is not None else clock
         self.life = RequestLifecycle(recorder, block_size=config.cache.block_size,
-                                     num_layers=mc.num_layers, clock=self.clock)
+                                     num_layers=mc.num_layers, clock=self.clock,
+                                     record_output_ids=record_output_ids)
         self.flow: TierFlow | None = None
         if tier_config is not None and tier_config.active:
             stack = build_tiers(tier_config, self.runner.kv_caches, recorder=recorder,

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from agent.schema import LOAD_FAIL_REASONS, STATE_CODE
-from agent.telemetry import Recorder
+from agent.telemetry import Recorder, output_digest
 from instrumented_engine.core.request import Request
 
 LOOKUP = STATE_CODE["lookup"]
@@ -82,14 +82,17 @@ class RequestLifecycle:
         block_size: tokens per block (for `lookup_tokens`).
         num_layers: rows per request in the layers table.
         clock: the monotonic clock in ns (the recorder's when there is one).
+        record_output_ids: store each request's output token ids in its row (a digest of
+            them is always stored).
     """
 
     def __init__(self, recorder: Recorder | None, *, block_size: int, num_layers: int,
-                 clock: Callable[[], int]) -> None:
+                 clock: Callable[[], int], record_output_ids: bool = False) -> None:
         self.rec = recorder
         self.block_size = block_size
         self.num_layers = num_layers
         self.clock = clock
+        self.record_output_ids = record_output_ids
         self._nums = itertools.count()
 
     # ------------------------------------------------------------------ arrival (any thread)
@@ -242,4 +245,8 @@ class RequestLifecycle:
         req.finish_ns = t
         req.acct.output_tokens = req.num_output_tokens
         if self.rec is not None:
-            self.rec.request_end(req.request_num, req.acct, status=status, t=t)
+            out = req.output_token_ids
+            self.rec.request_end(
+                req.request_num, req.acct, status=status, t=t,
+                output_digest=output_digest(out) if out else None,
+                output_token_ids=out if self.record_output_ids else None)

@@ -120,6 +120,8 @@ def generate(cfg: SyntheticConfig) -> dict[str, pa.Table]:
         "arrival_ns": pa.array(arrival), "first_token_ns": pa.array(first_token),
         "finish_ns": pa.array(finish), "status": pa.array(np.full(n, "ok")),
         **{c: pa.array(acct[c]) for c in ACCOUNTING_COLUMNS},
+        "output_digest": pa.nulls(n, pa.string()),
+        "output_token_ids": pa.nulls(n, pa.list_(pa.int64())),
     }
     return {
         "requests": pa.table(requests, schema=TABLES["requests"]),

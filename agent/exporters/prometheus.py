@@ -34,6 +34,7 @@ from agent.exporters.promstate import TTFT, Labels, MetricState, Snapshot
 from agent.schema import (
     BLOCK_STATES,
     ENGINE_METRICS,
+    READ_ONLY_OUTCOMES,
     REMOTE_OP_OUTCOMES,
     REMOTE_OPS,
     SCHEMA_VERSION,
@@ -64,9 +65,10 @@ def _family(spec: MetricSpec) -> Metric:
 
 
 #: (op, outcome) series of kvscope_remote_operations_total: only reads check objects, so only
-#: they can end in `checksum`.
+#: they can end in `checksum` or `mismatch`.
 REMOTE_OP_SERIES: tuple[tuple[str, str], ...] = tuple(
-    (op, o) for op in REMOTE_OPS for o in REMOTE_OP_OUTCOMES if o != "checksum" or op == "read")
+    (op, o) for op in REMOTE_OPS for o in REMOTE_OP_OUTCOMES
+    if o not in READ_ONLY_OUTCOMES or op == "read")
 
 
 def status_series(status: EngineStatus | None, model: str, *, row_preemptions: int

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 
 from agent.errors import InputError, SchemaVersionError
 from agent.runstore.layout import PART_RE
-from agent.schema import RUN_JSON_KEYS, SCHEMA_VERSION, TABLES
+from agent.schema import READABLE_SCHEMA_VERSIONS, RUN_JSON_KEYS, SCHEMA_VERSION, TABLES
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -112,7 +112,34 @@ def read_meta(path: Path) -> dict[str, Any]:
             f"{meta_path}: schema version {version} is newer than this kvscope supports "
             f"({SCHEMA_VERSION}); upgrade kvscope to read it"
         )
+    if version not in READABLE_SCHEMA_VERSIONS:
+        raise SchemaVersionError(
+            f"{meta_path}: schema version {version} is not one kvscope ever wrote (readable: "
+            f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))})")
     return meta
+
+
+#: Columns a version-1 store lacks, and the value they take when it is read: a v1 engine had
+#: no `mismatch` failure reason and recorded no outputs.
+_ADDED_IN_V2: dict[str, dict[str, Any]] = {
+    "requests": {"load_failed_mismatch_tokens": 0, "output_digest": None,
+                 "output_token_ids": None},
+}
+
+
+def upgrade(tbl: pa.Table, name: str, version: int) -> pa.Table:
+    """A table of a store written with schema `version`, with the columns later versions
+    added filled in (so every reader sees the current schema)."""
+    if version >= 2:
+        return tbl
+    for col, value in _ADDED_IN_V2.get(name, {}).items():
+        if col in tbl.column_names:
+            continue
+        typ = TABLES[name].field(col).type
+        arr = (pa.nulls(tbl.num_rows, typ) if value is None
+               else pa.array([value] * tbl.num_rows, typ))
+        tbl = tbl.append_column(col, arr)
+    return tbl
 
 
 def _kind(t: pa.DataType) -> str:
@@ -168,7 +195,8 @@ def _conform(tbl: pa.Table, schema: pa.Schema, where: Path) -> pa.Table:
     return pa.Table.from_arrays(cols, schema=schema)
 
 
-def read_table(path: Path, name: str, gaps: list[str]) -> tuple[pa.Table, list[int]]:
+def read_table(path: Path, name: str, gaps: list[str], version: int = SCHEMA_VERSION
+               ) -> tuple[pa.Table, list[int]]:
     schema = TABLES[name]
     d = path / name
     if not d.is_dir():
@@ -190,7 +218,7 @@ def read_table(path: Path, name: str, gaps: list[str]) -> tuple[pa.Table, list[i
             t = pq.read_table(p)
         except (pa.ArrowException, OSError) as exc:
             raise InputError(f"{p}: unreadable Parquet part ({exc})") from None
-        tables.append(_conform(t, schema, p))
+        tables.append(_conform(upgrade(t, name, version), schema, p))
     if not tables:
         return schema.empty_table(), seqs
     return pa.concat_tables(tables), seqs
@@ -217,5 +245,5 @@ def open_run(path: str | os.PathLike[str], tables: tuple[str, ...] | None = None
         if tables is not None and name not in tables:
             out[name] = schema.empty_table()
             continue
-        out[name], seqs[name] = read_table(p, name, gaps)
+        out[name], seqs[name] = read_table(p, name, gaps, meta["schema_version"])
     return RunStore(path=p, meta=meta, tables=out, gaps=gaps, parts=seqs)

@@ -15,6 +15,7 @@ from agent.telemetry.recorder import (
     RecorderStats,
     RequestAccounting,
 )
+from agent.telemetry.states import output_digest
 from agent.telemetry.status import BREAKER_STATES, EngineStatus, PoolStatus, RemoteStatus
 from agent.telemetry.timer import IntervalTimer, Mark
 
@@ -34,4 +35,5 @@ __all__ = [
     "RemoteStatus",
     "RequestAccounting",
     "check_partition",
+    "output_digest",
 ]

@@ -29,6 +29,7 @@ class RequestAccounting:
     load_failed_tokens: int = 0
     load_failed_timeout_tokens: int = 0
     load_failed_checksum_tokens: int = 0
+    load_failed_mismatch_tokens: int = 0
     load_failed_error_tokens: int = 0
     load_failed_circuit_open_tokens: int = 0
     load_failed_evicted_tokens: int = 0

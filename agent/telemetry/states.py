@@ -8,9 +8,12 @@ without locks; `Recorder` mixes this class in.
 
 from __future__ import annotations
 
+import hashlib
 import operator
+import sys
+from array import array
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from agent.schema import DECODE_STAGE, STATE_CODE, STATES, STATUSES
@@ -227,8 +230,14 @@ class RequestStates:
         *,
         status: str = "ok",
         t: int | None = None,
+        output_digest: str | None = None,
+        output_token_ids: Sequence[int] | None = None,
     ) -> None:
         """Close the request's last state at `t` and record its accounting row.
+
+        Args:
+            output_digest: the digest of its output token ids (`output_digest()`), if any.
+            output_token_ids: the ids themselves, only when the run records them.
 
         Invalid arguments (accounting fields that are not non-negative ints, an unknown status)
         are counted and leave the request open.
@@ -241,6 +250,9 @@ class RequestStates:
             acct = accounting.checked_values()
             if status not in STATUSES:
                 raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
+            if not (output_digest is None or isinstance(output_digest, str)):
+                raise TypeError("output_digest must be a str or None")
+            ids = None if output_token_ids is None else array("q", output_token_ids)
             t = self._clock() if t is None else _index(t)
             if t < op.start:
                 t = op.start
@@ -250,7 +262,8 @@ class RequestStates:
             if len(self._requests) < self._max_rows:
                 self._requests.append(
                     (op.request_id, rn, op.tenant, op.wclass, op.arrival,
-                     op.first_token if op.first_token >= 0 else None, op.start, status, *acct)
+                     op.first_token if op.first_token >= 0 else None, op.start, status, *acct,
+                     output_digest, ids)
                 )
             else:
                 self._drop("requests")
@@ -270,3 +283,12 @@ class RequestStates:
     def open_requests(self) -> int:
         """Requests begun and not yet ended."""
         return len(self._open)
+
+
+def output_digest(token_ids: Sequence[int]) -> str:
+    """The digest the requests table carries for a request's output token ids: hex
+    BLAKE2b-128 over them as little-endian int64 (equal outputs, equal digests)."""
+    data = array("q", token_ids)
+    if sys.byteorder != "little":
+        data.byteswap()
+    return hashlib.blake2b(data.tobytes(), digest_size=16, person=b"kvscope.output").hexdigest()

@@ -131,6 +131,8 @@ def requests_table(rows: list[tuple[Any, ...]], off: int) -> pa.Table:
         v = list(cols[i])
         if f.name in ("arrival_ns", "first_token_ns", "finish_ns"):
             v = [None if x is None else x + off for x in v]
+        elif f.name == "output_token_ids":
+            v = [None if x is None else x.tolist() for x in v]
         data[f.name] = pa.array(v, f.type)
     return pa.table(data, schema=REQUESTS_SCHEMA)
 

@@ -38,6 +38,7 @@ import pyarrow as pa
 from agent.clock import ClockAnchor
 from agent.runstore import RunStoreWriter
 from agent.schema import ACCOUNTING_COLUMNS, TABLES
+from agent.telemetry.states import output_digest
 
 HERE = Path(__file__).resolve().parent
 GOLDEN_RUN = HERE / "run"
@@ -210,10 +211,14 @@ def tables() -> dict[str, pa.Table]:
     for num, r in enumerate(REQUESTS):
         acct = {c: r.acct.get(c, 0) for c in ACCOUNTING_COLUMNS}
         acct["output_tokens"] = r.output_tokens
+        # Output token ids are made up (the golden run has no model): 100·num, 100·num + 1, ...
+        outputs = list(range(100 * num, 100 * num + r.output_tokens))
         req_rows.append({
             "request_id": r.request_id, "request_num": num, "tenant": r.tenant,
             "workload_class": r.workload_class, "arrival_ns": r.arrival,
             "first_token_ns": r.first_token, "finish_ns": r.finish, "status": r.status, **acct,
+            "output_digest": output_digest(outputs) if outputs else None,
+            "output_token_ids": None,
         })
         t = r.arrival
         for st in r.states:

@@ -200,7 +200,7 @@ def test_engine_status_becomes_the_live_series() -> None:
     assert get(smp, "kvscope_remote_breaker_open", model=MODEL) == 1
     ops = {(dict(lbl)["op"], dict(lbl)["outcome"]): v for (n, lbl), v in smp.items()
            if n == "kvscope_remote_operations_total"}
-    assert len(ops) == 13 and ops[("read", "timeout")] == 7 and ops[("lookup", "ok")] == 2
+    assert len(ops) == 14 and ops[("read", "timeout")] == 7 and ops[("lookup", "ok")] == 2
     assert ops[("write", "error")] == 0 and ("write", "checksum") not in ops
 
 

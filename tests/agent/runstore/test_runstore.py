@@ -383,3 +383,28 @@ def test_prune_respects_the_byte_bound_oldest_first(tmp_path: Path) -> None:
     assert part(run, "spans", 0).exists() and w.disk_bytes() > 0
     with pytest.raises(ValueError, match="max_bytes"):
         w.prune(-1)
+
+
+@pytest.mark.parametrize("version", [0, -1])
+def test_rejects_schema_versions_never_written(run: Path, version: int) -> None:
+    meta = json.loads((run / "run.json").read_text())
+    meta["schema_version"] = version
+    (run / "run.json").write_text(json.dumps(meta))
+    with pytest.raises(SchemaVersionError, match=f"schema version {version} is not one"):
+        open_run(run)
+
+
+def test_a_schema_1_store_reads_in_the_current_schema() -> None:
+    """tests/golden/run-v1 is the golden store as schema 1 wrote it: it reads with the columns
+    version 2 added filled in (no mismatch failures, no recorded outputs), the rest equal."""
+    old, new = open_run(REPO / "tests/golden/run-v1"), open_run(REPO / "tests/golden/run")
+    assert old.meta["schema_version"] == 1 and new.meta["schema_version"] == SCHEMA_VERSION
+    for name, schema in TABLES.items():
+        assert old.tables[name].schema == schema, name
+    req = old.tables["requests"]
+    assert req["load_failed_mismatch_tokens"].to_pylist() == [0] * req.num_rows
+    assert req["output_digest"].null_count == req.num_rows
+    same = [c for c in req.column_names if c != "output_digest"]
+    assert req.select(same).equals(new.tables["requests"].select(same))
+    for name in ("spans", "layers", "samples", "events"):
+        assert old.tables[name].equals(new.tables[name]), name

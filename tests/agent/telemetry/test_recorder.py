@@ -17,7 +17,14 @@ import pytest
 from agent.clock import ClockAnchor
 from agent.runstore import RunStoreWriter, open_run
 from agent.schema import ACCOUNTING_COLUMNS, STATE_CODE, TABLES
-from agent.telemetry import CLOCK_CPU, CLOCK_CUDA, EngineStatus, Recorder, RequestAccounting
+from agent.telemetry import (
+    CLOCK_CPU,
+    CLOCK_CUDA,
+    EngineStatus,
+    Recorder,
+    RequestAccounting,
+    output_digest,
+)
 
 ANCHOR = ClockAnchor(wall_ns=1_700_000_000_000_000_000, mono_ns=5_000)
 OFF = ANCHOR.wall_ns - ANCHOR.mono_ns
@@ -97,7 +104,8 @@ def test_round_trip_through_run_store_is_exact(tmp_path: Path) -> None:
     clock.t = 4_444
     rec.sample("host", "cpu_utilization", 0.25)
     acct = RequestAccounting(**{c: i + 1 for i, c in enumerate(ACCOUNTING_COLUMNS)})
-    rec.request_end(a, acct, t=2_500)
+    rec.request_end(a, acct, t=2_500, output_digest=output_digest([5, 9]),
+                    output_token_ids=[5, 9])
 
     out = rec.drain()
     assert rec.stats.recording_errors == 0 and rec.stats.unknown_requests == 0
@@ -146,10 +154,12 @@ def test_round_trip_through_run_store_is_exact(tmp_path: Path) -> None:
     assert records(rs.requests) == [
         {"request_id": "req-b", "request_num": b, "tenant": None, "workload_class": None,
          "arrival_ns": 1_200 + OFF, "first_token_ns": None, "finish_ns": 1_500 + OFF,
-         "status": "aborted", **zero, "prompt_tokens": 7},
+         "status": "aborted", **zero, "prompt_tokens": 7, "output_digest": None,
+         "output_token_ids": None},
         {"request_id": "req-a", "request_num": a, "tenant": "t1", "workload_class": "chat",
          "arrival_ns": 1_000 + OFF, "first_token_ns": 2_000 + OFF, "finish_ns": 2_500 + OFF,
-         "status": "ok", **{c: i + 1 for i, c in enumerate(ACCOUNTING_COLUMNS)}},
+         "status": "ok", **{c: i + 1 for i, c in enumerate(ACCOUNTING_COLUMNS)},
+         "output_digest": output_digest([5, 9]), "output_token_ids": [5, 9]},
     ]
     assert records(rs.layers) == [
         {"request_id": "req-a", "layer": 0, "hit_tokens": 16, "loaded_tokens": 16,
@@ -674,3 +684,10 @@ def test_requests_begun_on_another_thread_get_unique_numbers() -> None:
         th.join()
     assert sorted(got) == list(range(8_000))
     assert rec.open_requests() == 8_000
+
+
+def test_output_digest_is_a_function_of_the_ids_only() -> None:
+    assert output_digest([1, 2, 3]) == output_digest(iter([1, 2, 3]))
+    assert output_digest([1, 2, 3]) != output_digest([1, 2, 4]) != output_digest([1, 2])
+    assert output_digest([2**40]) != output_digest([0])  # int64, not bytes of the low digits
+    assert len(output_digest([])) == 32 and int(output_digest([7]), 16) >= 0

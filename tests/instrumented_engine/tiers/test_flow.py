@@ -14,7 +14,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.exporters.prometheus import PrometheusExporter
-from agent.schema import REMOTE_OP_OUTCOMES, REMOTE_OPS
+from agent.schema import READ_ONLY_OUTCOMES, REMOTE_OP_OUTCOMES, REMOTE_OPS
 from agent.telemetry import Recorder, check_partition
 from instrumented_engine.engine import LLMEngine
 from instrumented_engine.tiers import BreakerConfig, ResilienceConfig, parse_faults
@@ -388,8 +388,8 @@ def test_failing_remote_lookups_reach_the_exposition_as_operations(
     counts = remote.stats.outcome_counts()
     # Every possible (op, outcome), zeros included; only reads can fail a checksum.
     assert got == {(model, op, o): counts.get((op, o), 0) for op in REMOTE_OPS
-                   for o in REMOTE_OP_OUTCOMES if o != "checksum" or op == "read"}
-    assert len(got) == 13
+                   for o in REMOTE_OP_OUTCOMES if o not in READ_ONLY_OUTCOMES or op == "read"}
+    assert len(got) == 14
     # Every lookup and write failed (the breaker never opened), nothing was promised or read.
     assert set(counts) == {("lookup", "error"), ("write", "error")}
     assert counts[("lookup", "error")] == remote.stats.get("lookup_failed_error") > 0
