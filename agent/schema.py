@@ -74,6 +74,7 @@ EVENT_NAMES: tuple[str, ...] = (
     "rdma_port_vanished",
     "process_exited",
     "collector_unavailable",
+    "unauthenticated_remote",
 )
 
 # --------------------------------------------------------------------------------------------
@@ -315,8 +316,9 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
                "Requests currently scheduled (running)."),
     MetricSpec("kvscope_requests_waiting", "gauge", "", (_M,),
                "Requests waiting for admission."),
-    MetricSpec("kvscope_remote_breaker_open", "gauge", "", (_M,),
-               "1 while the remote tier's circuit breaker is open, else 0."),
+    MetricSpec("kvscope_remote_breaker_open", "gauge", "", (_M, "op"),
+               "1 while the remote tier's circuit breaker for this operation kind (lookup, "
+               "read, write) is open, else 0; each kind is judged by its own operations."),
     MetricSpec("kvscope_remote_operations_total", "counter", "", (_M, "op", "outcome"),
                "Remote tier operations (lookup, read, write) by outcome (ok, timeout, checksum, "
                "mismatch, error, circuit_open); a read is `checksum` when any object failed "

@@ -1,10 +1,15 @@
 """Drives an engine with real-time arrivals (what `kvscope run` runs).
 
-An arrival thread sleeps until each request's time, performs its lookup (hashing and tier
-probes: the request's `lookup` stage, off the engine loop) and submits it, which opens the
-request in the recorder and starts the prefetch of its remote hits at once; the calling thread
-runs the engine loop, stepping while there is work and blocking on the inbox when idle. Every
-request state transition stays on the engine loop's thread.
+An arrival thread sleeps until each request's time and hands it to a small pool of lookup
+workers, which perform its lookup (hashing and tier probes: the request's `lookup` stage, off
+the engine loop) and submit it (which starts the prefetch of its remote hits at once); the
+calling thread runs the engine loop, stepping while there is work and blocking when idle.
+
+A request's arrival is stamped at its scheduled time, not when a worker gets to it: if lookups
+are slow (a remote probe hanging until its deadline), the wait shows as `lookup` in its TTFT
+instead of disappearing before the request exists, and with several workers one slow probe
+does not hold up the lookups of the requests behind it. Every request state transition after
+the lookup stays on the engine loop's thread.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from agent.errors import InputError
@@ -61,19 +67,37 @@ class RealTimeDriver:
     def __init__(self, engine: LLMEngine, arrivals: Sequence[Arrival], *,
                  on_finished: Callable[[RequestOutput], None] | None = None,
                  monotonic: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+                 sleep: Callable[[float], None] = time.sleep,
+                 lookup_workers: int = 4) -> None:
+        if not 1 <= lookup_workers <= 64:
+            raise ValueError(f"lookup_workers: must be 1 to 64, got {lookup_workers}")
         self.engine = engine
         self.arrivals = sorted(arrivals, key=lambda a: a.at_s)
         self.requests = prepare_requests(engine, self.arrivals)
         self.on_finished = on_finished
+        self.lookup_workers = lookup_workers
         self._mono = monotonic
         self._sleep = sleep
         self._stop = threading.Event()
         self._submitted = threading.Event()
         self._error: BaseException | None = None
 
-    def _arrive(self, t0: float) -> None:
+    def _lookup(self, req: Request, due_ns: int) -> None:
+        """(A lookup worker) the request's lookup from its scheduled arrival, then submit."""
         eng = self.engine
+        try:
+            if self._stop.is_set():
+                return
+            # min(): a pacing clock that runs ahead of the engine's (tests) never stamps an
+            # arrival in the engine's future.
+            eng.submit(req, eng.lookup(req, min(due_ns, eng.clock())))
+        except BaseException as exc:  # surfaced on the engine thread
+            self._error = exc
+            self._stop.set()
+
+    def _arrive(self, t0: float, t0_ns: int) -> None:
+        eng = self.engine
+        pool = ThreadPoolExecutor(self.lookup_workers, thread_name_prefix="kvscope-lookup")
         try:
             for a, req in zip(self.arrivals, self.requests, strict=True):
                 while not self._stop.is_set():
@@ -83,10 +107,11 @@ class RealTimeDriver:
                     self._sleep(min(wait, 0.1))
                 if self._stop.is_set():
                     return
-                eng.submit(req, eng.lookup(req))
+                pool.submit(self._lookup, req, t0_ns + round(a.at_s * 1e9))
         except BaseException as exc:  # surfaced on the engine thread
             self._error = exc
         finally:
+            pool.shutdown(wait=True)  # every lookup submitted before the engine may finish
             self._submitted.set()
             eng.wake()
 
@@ -94,8 +119,8 @@ class RealTimeDriver:
         """Run until every request finished (or Ctrl-C: then `interrupted` is set)."""
         eng = self.engine
         res = RunResult()
-        t0 = self._mono()
-        th = threading.Thread(target=self._arrive, args=(t0,), name="kvscope-arrivals",
+        t0, t0_ns = self._mono(), eng.clock()
+        th = threading.Thread(target=self._arrive, args=(t0, t0_ns), name="kvscope-arrivals",
                               daemon=True)
         th.start()
         try:
@@ -105,6 +130,8 @@ class RealTimeDriver:
                         res.outputs.append(out)
                         if self.on_finished is not None:
                             self.on_finished(out)
+                    if not eng.last_step_ran:  # all waiting on remote reads: do not spin
+                        eng.wait_for_progress(0.1)
                 elif self._submitted.is_set():
                     if not eng.has_unfinished():
                         break

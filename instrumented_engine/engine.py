@@ -86,10 +86,12 @@ class LLMEngine:
         self.life = RequestLifecycle(recorder, block_size=config.cache.block_size,
                                      num_layers=mc.num_layers, clock=self.clock,
                                      record_output_ids=record_output_ids)
+        self._wake = threading.Event()
         self.flow: TierFlow | None = None
         if tier_config is not None and tier_config.active:
             stack = build_tiers(tier_config, self.runner.kv_caches, recorder=recorder,
-                                store=remote_store)
+                                store=remote_store, clock=self.clock,
+                                on_read_done=self._wake.set)
             self.flow = TierFlow(tier_config, stack, self.runner.kv_caches, self.life,
                                  recorder=recorder, clock=self.clock)
             self.pool.on_evict = stack.offload
@@ -103,7 +105,9 @@ class LLMEngine:
         self._ns_cache: dict[str | None, bytes] = {}
         self._ids = itertools.count()
         self._inbox: deque[tuple[Request, dict[str, int], bool]] = deque()
-        self._wake = threading.Event()
+        #: Whether the last `step` ran a batch (False: nothing could be scheduled, e.g. every
+        #: waiting request waits on a remote read; see `wait_for_progress`).
+        self.last_step_ran = False
 
     # ------------------------------------------------------------------ arrivals
     def make_request(self, prompt_token_ids: Sequence[int], max_tokens: int = 16,
@@ -225,6 +229,23 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self._inbox) or self.scheduler.has_work()
 
+    def wait_for_progress(self, timeout: float) -> None:
+        """After a step that could run nothing: block until something can change — an
+        arrival, a remote read finishing, or the earliest read deadline of a request parked
+        in `remote_read` — or for `timeout` seconds at most. Never spins, never waits past a
+        deadline."""
+        flow = self.flow
+        if flow is not None:
+            d = flow.next_deadline_ns(self.scheduler.waiting)
+            if d is not None:
+                timeout = min(timeout, max(0.0, (d - self.clock()) / 1e9))
+        self._wake.clear()
+        # Checked after the clear: a read that finished meanwhile has set the event again or
+        # is seen here, so no wake-up is lost.
+        if self._inbox or (flow is not None and flow.any_ready(self.scheduler.waiting)):
+            return
+        self._wake.wait(timeout)
+
     def wait_for_arrival(self, timeout: float) -> bool:
         """Block until a request is submitted (or `timeout` s pass); True if one was."""
         if self._inbox:
@@ -239,6 +260,7 @@ class LLMEngine:
         """Run one batched step; returns the requests that finished in it."""
         self._take_arrivals()
         sched_ = self.scheduler
+        self.last_step_ran = False
         if not sched_.has_work():
             return []
         tel = self.tel
@@ -257,8 +279,9 @@ class LLMEngine:
         if tel:
             tel.phase_end()
         self.life.scheduled(reqs, t0)
-        if not reqs:  # nothing fits this step (cannot happen with validated requests)
+        if not reqs:  # every waiting request waits on a remote read (or nothing fits)
             return []
+        self.last_step_ran = True
         if tel:
             tel.phase("prepare", step_id)
         inp = self.runner.prepare(reqs, num_new)
@@ -339,6 +362,8 @@ class LLMEngine:
         out: list[RequestOutput] = []
         while self.has_unfinished():
             out += self.step()
+            if not self.last_step_ran:
+                self.wait_for_progress(0.05)
         return out
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int = 16,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from instrumented_engine.config import SchedulerConfig
 from instrumented_engine.core.kv_cache_manager import KVCacheManager
 from instrumented_engine.core.request import Request, RequestStatus
-from instrumented_engine.lifecycle import RequestLifecycle
+from instrumented_engine.lifecycle import REMOTE_READ, RequestLifecycle
 from instrumented_engine.tiers.protocol import TierLoader
 
 
@@ -101,39 +101,53 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         loader = self.loader
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
-            req = self.waiting[0]
-            # NOTE: the arrival lookup only promised these hits; they are re-validated here
-            # (blocks may have been evicted since, or computed since by a batch-mate).
-            hits = self.kv.get_computed_blocks(req)
-            num_hit = len(hits) * self.kv.block_size
-            # Blocks from the host/remote tiers continue the chain; they are held (acquired)
-            # from here until copied into the device blocks allocated for them below.
-            num_load = (loader.prepare(req, len(hits)) if loader is not None
-                        else 0) * self.kv.block_size
-            n = req.num_tokens - num_hit - num_load
-            if n > budget:
-                if not self.cfg.enable_chunked_prefill:
+        waiting = self.waiting
+        # Requests whose remote reads are still running are passed over (not a blocker of
+        # younger ones: they wait on the remote, not on admission) and keep their places.
+        parked: list[Request] = []
+        try:
+            while waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+                req = waiting[0]
+                if loader is not None and not loader.ready(req):
+                    parked.append(waiting.popleft())
+                    continue
+                # NOTE: the arrival lookup only promised these hits; they are re-validated here
+                # (blocks may have been evicted since, or computed since by a batch-mate).
+                hits = self.kv.get_computed_blocks(req)
+                num_hit = len(hits) * self.kv.block_size
+                # Blocks from the host/remote tiers continue the chain; they are held
+                # (acquired) from here until copied into the device blocks allocated below.
+                num_load = (loader.prepare(req, len(hits)) if loader is not None
+                            else 0) * self.kv.block_size
+                n = req.num_tokens - num_hit - num_load
+                if n > budget:
+                    if not self.cfg.enable_chunked_prefill:
+                        if loader is not None:
+                            loader.cancel(req)
+                        return
+                    n = budget
+                if not self.kv.allocate_slots(req, num_load + n, hits):
                     if loader is not None:
                         loader.cancel(req)
                     return
-                n = budget
-            if not self.kv.allocate_slots(req, num_load + n, hits):
+                waiting.popleft()
+                self.running.append(req)
+                req.status = RequestStatus.RUNNING
+                req.num_computed_tokens = num_hit + num_load
+                req.admitted_hit_tokens = num_hit + num_load
+                self.life.admitted(req, num_hit)
                 if loader is not None:
-                    loader.cancel(req)
-                return
-            self.waiting.popleft()
-            self.running.append(req)
-            req.status = RequestStatus.RUNNING
-            req.num_computed_tokens = num_hit + num_load
-            req.admitted_hit_tokens = num_hit + num_load
-            self.life.admitted(req, num_hit)
-            if loader is not None:
-                loader.admitted(req, len(hits))
-            out.requests.append(req)
-            out.num_new_tokens.append(n)
-            out.admitted.append(req)
-            budget -= n
+                    loader.admitted(req, len(hits))
+                out.requests.append(req)
+                out.num_new_tokens.append(n)
+                out.admitted.append(req)
+                budget -= n
+        finally:
+            waiting.extendleft(reversed(parked))
+
+    def parked(self) -> list[Request]:
+        """Waiting requests left out of admission because their remote reads are running."""
+        return [r for r in self.waiting if r.state == REMOTE_READ]
 
     def _preempt(self, req: Request) -> int:
         """Free the request's blocks and requeue it at the head; returns the tokens lost."""

@@ -143,6 +143,14 @@ class RunOptions:
     remote_timeout_ms: float = opt(500.0, "--remote-timeout-ms",
                                    "Deadline of one remote operation in ms.", lo=0,
                                    hi=600_000, lo_open=True)
+    remote_key_file: Path | None = opt(None, "--remote-key-file",
+                                       "File holding the secret that authenticates remote KV "
+                                       "objects (a keyed BLAKE3 MAC), mode 600; default "
+                                       "$KVSCOPE_REMOTE_KEY_FILE. Without one the remote tier "
+                                       "is unauthenticated (a warning says so).")
+    record_output_ids: bool = opt(False, "--record-output-ids/--no-record-output-ids",
+                                  "Store each request's output token ids in the run store (a "
+                                  "digest of them is always stored).")
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -150,8 +158,10 @@ class RunOptions:
         if not isinstance(self.faults, tuple):
             raise InputError(f"--fault: expected a tuple of NAME=VALUE strings, got "
                              f"{self.faults!r}")
-        if self.out is not None and not isinstance(self.out, Path):
-            object.__setattr__(self, "out", Path(self.out))
+        for name in ("out", "remote_key_file"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, Path):
+                object.__setattr__(self, name, Path(v))
 
 
 def flag_of(name: str) -> Flag:

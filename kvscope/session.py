@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import os
 import uuid
@@ -32,6 +33,7 @@ from instrumented_engine.workloads import build_workload
 from kvscope.run_options import DEFAULT_METRICS_PORT, RunOptions, default_out
 
 PROFILE_TRACE = "profile/torch_trace.json"
+log = logging.getLogger("kvscope.session")
 
 __all__ = ["DEFAULT_METRICS_PORT", "PROFILE_TRACE", "RunOptions", "RunSummary", "run_session"]
 
@@ -134,15 +136,46 @@ def tier_config(opts: RunOptions) -> tuple[Any, Any]:
     if faults.active and opts.remote is None:
         raise InputError("--fault: remote faults need a remote tier (--remote URL)")
     resilience = ResilienceConfig(timeout_s=opts.remote_timeout_ms / 1000)
-    store = None
+    store = key = None
     if opts.remote is not None:
-        try:  # a bad URL fails here, before the model loads
+        key = remote_key(opts)
+        try:  # a bad URL or an unreachable store fails here, before the model loads
             store = open_remote(opts.remote, timeout_s=resilience.timeout_s)
+            store.check()
         except (OSError, RemoteError) as exc:
+            if store is not None:
+                store.close()
             raise InputError(f"--remote {opts.remote}: {getattr(exc, 'strerror', None) or exc}"
                              ) from None
     return TierConfig(host_blocks=opts.host_blocks, remote=opts.remote,
-                      host_write=opts.host_write, faults=faults, resilience=resilience), store
+                      host_write=opts.host_write, faults=faults, resilience=resilience,
+                      remote_key=key), store
+
+
+def redact_url(url: str | None) -> str | None:
+    """`url` without its password (run.json and messages never carry one)."""
+    if not url or "@" not in url:
+        return url
+    from urllib.parse import urlsplit, urlunsplit
+
+    u = urlsplit(url)
+    if u.password is None:
+        return url
+    netloc = f"{u.username or ''}:***@{u.hostname or ''}" + (f":{u.port}" if u.port else "")
+    return urlunsplit((u.scheme, netloc, u.path, u.query, u.fragment))
+
+
+def remote_key(opts: RunOptions) -> Any:
+    """The remote tier's `ObjectKey` from `--remote-key-file` or $KVSCOPE_REMOTE_KEY_FILE, or
+    None (an unauthenticated remote; the caller warns)."""
+    from instrumented_engine.tiers.format import KEY_FILE_ENV, ObjectKey
+
+    if opts.remote_key_file is not None:
+        return ObjectKey.from_file(opts.remote_key_file)
+    env = os.environ.get(KEY_FILE_ENV)
+    if env:
+        return ObjectKey.from_file(env, flag=f"${KEY_FILE_ENV}")
+    return None
 
 
 def _check_device(opts: RunOptions) -> None:
@@ -236,8 +269,22 @@ def run_session(opts: RunOptions, *, on_start: Callable[[int, str | None], None]
     cfg = engine_config(opts, model_cfg)
     recorder = Recorder()
     engine = LLMEngine(cfg, model=model, recorder=recorder, tier_config=tiers,
-                       remote_store=remote_store)
+                       remote_store=remote_store, record_output_ids=opts.record_output_ids)
     driver = RealTimeDriver(engine, arrivals, on_finished=on_finished)
+    remote_info: dict[str, Any] = {"url": redact_url(tiers.remote),
+                                   "timeout_ms": opts.remote_timeout_ms,
+                                   "faults": list(opts.faults)}
+    if tiers.remote is not None:
+        key = tiers.remote_key
+        remote_info.update(authenticated=key is not None,
+                           key_id=key.key_id_hex if key is not None else None)
+        if key is None:
+            log.warning("kvscope run: warning: the remote tier %s is unauthenticated: anyone "
+                        "who can write to it can change this engine's outputs; give "
+                        "--remote-key-file or set $KVSCOPE_REMOTE_KEY_FILE",
+                        redact_url(tiers.remote))
+            recorder.event("unauthenticated_remote", source="remote",
+                           detail={"scheme": tiers.remote.split(":", 1)[0]})
 
     config = {
         "engine": dataclasses.asdict(cfg),
@@ -245,12 +292,11 @@ def run_session(opts: RunOptions, *, on_start: Callable[[int, str | None], None]
                              "num_blocks": cfg.cache.num_blocks,
                              "kv_bytes_per_block": engine.runner.kv_bytes_per_block},
                   "host": {"num_blocks": tiers.host_blocks, "write": tiers.host_write},
-                  "remote": {"url": tiers.remote, "timeout_ms": opts.remote_timeout_ms,
-                             "faults": list(opts.faults)}},
+                  "remote": remote_info},
         "workload": {"name": opts.workload, "num_requests": len(arrivals), "seed": opts.seed,
                      "rate": opts.rate, "tenants": opts.tenants, "scale": opts.scale,
                      "time_scale": opts.time_scale},
-        "options": {k: (str(v) if isinstance(v, Path) else v)
+        "options": {k: (str(v) if isinstance(v, Path) else redact_url(v) if k == "remote" else v)
                     for k, v in dataclasses.asdict(opts).items()},
         "torch": {"version": torch.__version__, "threads": torch.get_num_threads()},
         "pid": os.getpid(),

@@ -97,7 +97,8 @@ def status_series(status: EngineStatus | None, model: str, *, row_preemptions: i
         ops = remote.operations
         out["kvscope_remote_operations_total"] = {
             (model, op, outcome): ops.get((op, outcome), 0) for op, outcome in REMOTE_OP_SERIES}
-        out["kvscope_remote_breaker_open"] = {m: 1 if remote.breaker == "open" else 0}
+        out["kvscope_remote_breaker_open"] = {
+            (model, op): 1 if remote.breakers.get(op) == "open" else 0 for op in REMOTE_OPS}
     return out
 
 

@@ -38,13 +38,16 @@ class RemoteStatus:
     """The remote tier as the engine sees it.
 
     Attributes:
-        breaker: the circuit breaker's state (one of `BREAKER_STATES`).
+        breakers: each operation kind's circuit breaker state (op → one of `BREAKER_STATES`;
+            lookups, reads and writes are judged apart).
         operations: finished operations by (op, outcome), e.g. ("read", "timeout"), each
             operation counted once whatever its retries.
+        breaker_open_ns: per operation kind, the time its breaker has spent open so far.
     """
 
-    breaker: str = "closed"
+    breakers: Mapping[str, str] = field(default_factory=dict)
     operations: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    breaker_open_ns: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True, frozen=True)

@@ -114,9 +114,9 @@ def panels() -> list[dict[str, Any]]:
         (f'sum(rate(kvscope_kv_hit_tokens_total{{{ENG}, tier="remote"}}[{RI}]))',
          "remote hit tokens (denominator)"),
     ], x=0, y=26, unit="short", description="Tokens per second."))
-    p.append(_panel(9, "Remote breaker open", [
-        (f"max by (instance, model) (kvscope_remote_breaker_open{{{ENG}}})",
-         "{{instance}} {{model}}"),
+    p.append(_panel(9, "Remote breakers open, by operation", [
+        (f"max by (instance, model, op) (kvscope_remote_breaker_open{{{ENG}}})",
+         "{{instance}} {{model}} {{op}}"),
     ], x=12, y=26, unit="bool", kind="state-timeline"))
     p.append(_panel(20, "Remote operations by outcome / lookups+reads", [
         (f'sum by (op, outcome) (rate(kvscope_remote_operations_total{{{ENG}, '

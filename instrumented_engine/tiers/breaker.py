@@ -1,4 +1,4 @@
-"""A circuit breaker for the remote tier.
+"""A circuit breaker for one kind of remote operation (the remote tier keeps one per kind).
 
     closed ──K consecutive failures──► open ──cool-down elapsed, one probe allowed──► half_open
        ▲                                 ▲                                              │
@@ -60,7 +60,17 @@ class CircuitBreaker:
         self.probe_in_flight = False
         self.transitions = 0
         self.callback_errors = 0
+        #: Times the breaker opened from closed, and the time it spent open in closed periods.
+        self.opened = 0
+        self._open_since: int | None = None
+        self._open_ns = 0
         self._lock = threading.Lock()
+
+    def open_time_ns(self, now: int | None = None) -> int:
+        """Total time not closed (open or half-open), the current period included."""
+        with self._lock:
+            since = self._open_since
+            return self._open_ns + (0 if since is None else (now or self.clock()) - since)
 
     def allow(self) -> bool:
         """Whether an operation may go to the backend now (in half_open: the one probe)."""
@@ -109,6 +119,12 @@ class CircuitBreaker:
     def _set(self, new: str, now: int) -> tuple[str, str, int]:
         old, self.state = self.state, new
         self.transitions += 1
+        if old == CLOSED and new != CLOSED:
+            self.opened += 1
+            self._open_since = now
+        elif new == CLOSED and self._open_since is not None:
+            self._open_ns += now - self._open_since
+            self._open_since = None
         return old, new, now
 
     def _notify(self, change: tuple[str, str, int] | None) -> None:

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +44,8 @@ class TierStack:
 
 
 def build_tiers(config: TierConfig, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], *,
-                recorder: Any, store: RemoteStore | None = None) -> TierStack:
+                recorder: Any, store: RemoteStore | None = None, clock: Any = None,
+                on_read_done: Any = None) -> TierStack:
     """The tiers of `config` around the device cache `kv_caches`.
 
     Args:
@@ -53,6 +55,8 @@ def build_tiers(config: TierConfig, kv_caches: list[tuple[torch.Tensor, torch.Te
             None.
         store: the raw store behind `config.remote`, already opened (the caller checked it
             once); None opens `config.remote` here.
+        clock: monotonic ns (the engine's); default `time.monotonic_ns`.
+        on_read_done: called when a remote prefetch finishes (wakes the engine loop).
     """
     layout = BlockLayout.from_kv_caches(kv_caches)
     host = (HostKVPool(layout, config.host_blocks, recorder=recorder)
@@ -63,7 +67,8 @@ def build_tiers(config: TierConfig, kv_caches: list[tuple[torch.Tensor, torch.Te
                else open_remote(config.remote, timeout_s=config.resilience.timeout_s))
         wrapped = (FaultyRemote(raw, config.faults, recorder=recorder)
                    if config.faults.active else raw)
-        remote = ResilientRemote(wrapped, layout, config.resilience, recorder=recorder)
+        remote = ResilientRemote(wrapped, layout, config.resilience, key=config.remote_key,
+                                 recorder=recorder)
     staging = host
     if staging is None and remote is not None:
         staging = HostKVPool(layout, config.staging_blocks)
@@ -74,7 +79,8 @@ def build_tiers(config: TierConfig, kv_caches: list[tuple[torch.Tensor, torch.Te
     prefetcher = None
     if remote is not None:
         assert staging is not None
-        prefetcher = Prefetcher(remote, staging, config.prefetch_workers, recorder=recorder)
+        prefetcher = Prefetcher(remote, staging, config.prefetch_workers, recorder=recorder,
+                                clock=clock or time.monotonic_ns, on_done=on_read_done)
     offload = (EvictionOffload(host, kv_caches)
                if host is not None and config.host_write == "evict" else None)
     return TierStack(layout, host, remote, staging, writer, prefetcher, offload)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from instrumented_engine.config import HOST_WRITES
 from instrumented_engine.tiers.faults import FaultSpec
+from instrumented_engine.tiers.format import ObjectKey
 from instrumented_engine.tiers.remote import ResilienceConfig
 
 __all__ = ["HOST_WRITES", "TierConfig"]
@@ -24,6 +25,7 @@ class TierConfig:
         resilience: remote timeouts, retries, breaker.
         faults: injected remote faults (off by default).
         prefetch_workers: threads running prefetches (>= 1).
+        remote_key: the secret that authenticates remote objects (None: unauthenticated).
     """
 
     host_blocks: int = 0
@@ -34,6 +36,7 @@ class TierConfig:
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
     faults: FaultSpec = field(default_factory=FaultSpec)
     prefetch_workers: int = 2
+    remote_key: ObjectKey | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.host_blocks, int) or self.host_blocks < 0:

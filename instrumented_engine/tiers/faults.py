@@ -1,7 +1,10 @@
 """Fault injection for the remote tier (tests and demos; off by default).
 
 `kvscope run --fault remote-latency=50ms --fault remote-error-rate=0.1
---fault remote-corrupt-rate=0.05 --fault remote-down-after=5s` parses into one `FaultSpec`;
+--fault remote-corrupt-rate=0.05 --fault remote-down-after=5s` parses into one `FaultSpec`
+(`remote-latency` delays every operation; `remote-read-latency`, `remote-lookup-latency` and
+`remote-write-latency` delay one kind only, e.g. reads slower than their deadline while lookups
+stay fast);
 `FaultyRemote` applies it around a raw store, below the resilience layer, so injected faults
 travel the same classification, retry and breaker paths as real ones. It exposes only the
 batched `read_many`, so reads under injection take the copy path even for a file store (the
@@ -27,6 +30,9 @@ _UNITS_S = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0}
 _DURATION = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(ns|us|ms|s|m)$")
 _KEYS = {
     "remote-latency": "latency_s",
+    "remote-read-latency": "read_latency_s",
+    "remote-lookup-latency": "lookup_latency_s",
+    "remote-write-latency": "write_latency_s",
     "remote-error-rate": "error_rate",
     "remote-corrupt-rate": "corrupt_rate",
     "remote-down-after": "down_after_s",
@@ -43,6 +49,8 @@ class FaultSpec:
 
     Attributes:
         latency_s: added before every backend operation (>= 0).
+        read_latency_s, lookup_latency_s, write_latency_s: added before operations of that
+            kind only, after `latency_s` (>= 0).
         error_rate: probability that an operation fails, in [0, 1].
         corrupt_rate: probability that each object read comes back with a flipped byte, [0, 1].
         down_after_s: every operation fails from this many seconds after start on (None: never).
@@ -50,14 +58,21 @@ class FaultSpec:
     """
 
     latency_s: float = 0.0
+    read_latency_s: float = 0.0
+    lookup_latency_s: float = 0.0
+    write_latency_s: float = 0.0
     error_rate: float = 0.0
     corrupt_rate: float = 0.0
     down_after_s: float | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not self.latency_s >= 0:
-            raise InputError(f"--fault remote-latency must be >= 0, got {self.latency_s}")
+        for flag, v in (("remote-latency", self.latency_s),
+                        ("remote-read-latency", self.read_latency_s),
+                        ("remote-lookup-latency", self.lookup_latency_s),
+                        ("remote-write-latency", self.write_latency_s)):
+            if not 0 <= v <= 3600:
+                raise InputError(f"--fault {flag} must be 0 to 1 h, got {v:g} s")
         for flag, v in (("remote-error-rate", self.error_rate),
                         ("remote-corrupt-rate", self.corrupt_rate)):
             if not 0.0 <= v <= 1.0:
@@ -67,8 +82,15 @@ class FaultSpec:
 
     @property
     def active(self) -> bool:
-        return bool(self.latency_s or self.error_rate or self.corrupt_rate
+        return bool(self.latency_s or self.read_latency_s or self.lookup_latency_s
+                    or self.write_latency_s or self.error_rate or self.corrupt_rate
                     or self.down_after_s is not None)
+
+    def latency_of(self, op: str) -> float:
+        """Seconds injected before one operation of kind `op` (lookup, read, write)."""
+        extra = {"read": self.read_latency_s, "lookup": self.lookup_latency_s,
+                 "write": self.write_latency_s}.get(op, 0.0)
+        return self.latency_s + extra
 
 
 def _duration(flag: str, text: str) -> float:
@@ -102,7 +124,7 @@ def parse_faults(flags: Sequence[str], seed: int = 0) -> FaultSpec:
         if not sep or name not in _KEYS:
             raise InputError(f"--fault {flag!r}: expected NAME=VALUE with NAME one of "
                              f"{', '.join(_KEYS)}")
-        if name in ("remote-latency", "remote-down-after"):
+        if name.endswith("-latency") or name == "remote-down-after":
             parsed = _duration(name, value)
         else:
             parsed = _rate(name, value)
@@ -140,7 +162,7 @@ class FaultyRemote:
         self._rng = random.Random(spec.seed)
         self._lock = threading.Lock()
 
-    def _before(self) -> None:
+    def _before(self, op: str) -> None:
         s = self.spec
         if s.down_after_s is not None and self.clock() - self.started >= s.down_after_s:
             self.stats.add("injected_down")
@@ -148,9 +170,10 @@ class FaultyRemote:
                 self._down_reported = True
                 self._event("down")
             raise InjectedFault("injected: remote down")
-        if s.latency_s:
+        latency = s.latency_of(op)
+        if latency:
             self.stats.add("injected_latency")
-            self.sleep(s.latency_s)
+            self.sleep(latency)
         if s.error_rate:
             with self._lock:
                 fail = self._rng.random() < s.error_rate
@@ -164,14 +187,14 @@ class FaultyRemote:
             self.recorder.event("fault", source="remote", detail={"kind": kind})
 
     def exists_many(self, block_hashes: Sequence[bytes]) -> list[bool]:
-        self._before()
+        self._before("lookup")
         return self.inner.exists_many(block_hashes)
 
     def lookup(self, block_hashes: Sequence[bytes], start: int = 0) -> int:
         return chain_lookup(self, block_hashes, start, self.lookup_batch)
 
     def read_many(self, block_hashes: Sequence[bytes]) -> list[bytes | None]:
-        self._before()
+        self._before("read")
         out = self.inner.read_many(block_hashes)
         if not self.spec.corrupt_rate:
             return out
@@ -190,8 +213,11 @@ class FaultyRemote:
         return out
 
     def write(self, block_hash: bytes, data: bytes) -> None:
-        self._before()
+        self._before("write")
         self.inner.write(block_hash, data)
+
+    def check(self) -> None:
+        self.inner.check()
 
     def close(self) -> None:
         self.inner.close()

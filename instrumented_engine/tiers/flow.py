@@ -102,17 +102,58 @@ class TierFlow:
             self.prefetcher.start(req, plan)
 
     # ------------------------------------------------------------------ admission
-    def prepare(self, req: Request, num_hit_blocks: int) -> int:
-        """(Scheduler, at admission) blocks after the device hits that can be loaded now.
+    def ready(self, req: Request) -> bool:
+        """(Scheduler, before admitting `req`; never blocks) whether its remote reads are
+        done. A request whose reads are still running is parked in `remote_read` (left out
+        of the batch while others are scheduled, as vLLM parks requests in
+        WAITING_FOR_REMOTE_KVS) until they finish or their deadline passes; it then goes on
+        with what arrived and recomputes the rest (counted as `timeout`)."""
+        plan = req.tier
+        if plan is None or not plan.reads:
+            return True
+        life = self.life
+        pending = Prefetcher.pending(plan)
+        now = self.clock()
+        deadline = max((r.deadline_ns for r in pending), default=now)
+        if pending and now < deadline:
+            if req.state == QUEUE:
+                life.enter(req, REMOTE_READ, now)
+                for r in plan.reads:
+                    life.waits_on(req, r.transfer_id)
+            return False
+        if req.state == REMOTE_READ:
+            # It waited on the reads up to when the last one ended (or its deadline passed),
+            # not up to when the engine loop came back to it.
+            end = deadline if pending else Prefetcher.finished_at(plan)
+            life.enter(req, QUEUE, min(now, end) if end >= 0 else now)
+            plan.waited = True
+        Prefetcher.settle(req, plan)
+        return True
 
-        Waits for the request's prefetch (its `remote_read` state), then acquires the longest
-        contiguous run of blocks in staging: they stay acquired until `admitted` copied them or
-        `cancel` gave them back.
-        """
+    @staticmethod
+    def any_ready(reqs: Any) -> bool:
+        """Whether a request parked in `remote_read` among `reqs` has all its reads done."""
+        return any(req.state == REMOTE_READ and req.tier is not None
+                   and not Prefetcher.pending(req.tier) for req in reqs)
+
+    def next_deadline_ns(self, reqs: Any) -> int | None:
+        """The earliest read deadline among `reqs` parked in `remote_read` (None if none)."""
+        out = None
+        for req in reqs:
+            plan = req.tier
+            if plan is None or req.state != REMOTE_READ:
+                continue
+            for r in Prefetcher.pending(plan):
+                out = r.deadline_ns if out is None else min(out, r.deadline_ns)
+        return out
+
+    def prepare(self, req: Request, num_hit_blocks: int) -> int:
+        """(Scheduler, at admission, after `ready`) blocks after the device hits that can be
+        loaded now: the longest contiguous run of blocks in staging, acquired until `admitted`
+        copied them or `cancel` gave them back."""
         plan = req.tier
         if plan is None or self.staging is None:
             return 0
-        self._finish_prefetch(req, plan)
         limit = (req.num_tokens - 1) // self.bs
         staging = self.staging
         for h in req.block_hashes[num_hit_blocks:limit]:
@@ -122,19 +163,6 @@ class TierFlow:
             plan.views.append(h)
             plan.payloads.append(view)
         return len(plan.views)
-
-    def _finish_prefetch(self, req: Request, plan: TierPlan) -> None:
-        if not plan.reads:
-            return
-        life = self.life
-        if Prefetcher.pending(plan):
-            plan.waited = True
-            life.enter(req, REMOTE_READ)
-            for r in plan.reads:
-                life.waits_on(req, r.transfer_id)
-        Prefetcher.settle(req, plan)
-        if req.state == REMOTE_READ:
-            life.enter(req, QUEUE)
 
     def cancel(self, req: Request) -> None:
         """(Scheduler) the request was not admitted after `prepare`: release its blocks."""
@@ -159,8 +187,8 @@ class TierFlow:
             dest = [b.block_id for b in req.blocks[num_hit_blocks:num_hit_blocks + n]]
             self._copy(req, plan, dest)
         elif plan.waited and req.state == QUEUE:
-            # Back in `queue` after its remote_read, later than the step's start: it enters
-            # `prefill` now (the engine's step-start transition would go back in time).
+            # Back in `queue` after its remote_read, maybe later than the step's start: it
+            # enters `prefill` now (the engine's step-start transition could go back in time).
             self.life.enter(req, PREFILL)
         plan.waited = False
         self.life.loaded(req, self._loads(plan, num_hit_blocks, n))
@@ -265,7 +293,8 @@ class TierFlow:
         remote = self.remote
         if remote is None:
             return None
-        return RemoteStatus(remote.breaker.state, remote.stats.outcome_counts())
+        return RemoteStatus(remote.breaker_states(), remote.stats.outcome_counts(),
+                            remote.breaker_open_ns())
 
     def _record_stats(self) -> None:
         """Counters of the tier components as samples at the end (source `pool`, entity the

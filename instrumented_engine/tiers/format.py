@@ -2,39 +2,58 @@
 
 A block object holds one block's K and V for every layer, as a contiguous tensor shaped
 (num_layers, 2, block_size, num_kv_heads, head_dim) — `BlockLayout.payload_shape`. The same
-bytes live in a host pool slot, a file of the file store and a Redis value, so a load is a read,
-a header check, a checksum and at most one copy (files are read straight into the block).
+bytes live in a file of the file store and in a Redis value, so a load is a read, a header
+check, one pass of the tag over the bytes and at most one copy (files are read straight into the
+destination block).
 
-Header (little-endian, `HEADER_SIZE` bytes, padded so the payload starts 64-byte aligned):
+Every object carries its own key and is checked against the key it was fetched for, so a
+valid object stored under another key (two values swapped, a file copied over another) is
+never served: it fails as `mismatch`, as does an object of the old (version 1) format.
 
-    magic 8s | version u16 | dtype code u16 | token count u32 | layer count u32 |
-    shape 5×u32 | payload length u64 | payload xxh3_64 u64 | namespace digest 32s |
-    reserved (zeros) | header xxh3_64 u64 (over every byte before it)
+Header (little-endian, `HEADER_SIZE` bytes, so the payload starts 64-byte aligned):
 
-The payload checksum is xxh3_64, not a cryptographic hash: it runs at memory bandwidth (tens of
-GB/s), while BLAKE2b/SHA-256 run at about 1 GB/s and would halve remote read throughput. The
-checksum guards against corruption (torn writes, bit flips, truncation), not against an
-adversary; identity is the BLAKE2b chain digest the object is stored under.
+    off   0  magic 8s "KVSCOPE\x02" | version u16 | dtype code u16 | token count u32 |
+          16 layer count u32 | shape 5×u32 | payload length u64
+          48 flags u32 (bit 0: MAC) | reserved u32 | key id 8s (zeros unless MAC)
+          64 block digest 32s: the chain digest the object is stored under
+          96 namespace digest 32s: the request namespace it was computed in
+         128 reserved (zeros) 32 bytes
+         160 tag 32 bytes, over header[0:160] followed by the payload:
+             MAC:    keyed BLAKE3-256 (`ObjectKey`: a secret shared by the engines)
+             no MAC: xxh3_64 (8 bytes, then zeros)
+
+xxh3 runs at memory bandwidth and catches corruption (torn writes, bit flips, truncation) but
+not an adversary: anyone who can write to the store can recompute it. With a key configured,
+only keyed objects are accepted and the MAC (BLAKE3: about 5 GB/s on one core here, against
+0.7 GB/s for keyed BLAKE2b) makes a crafted object fail; identity is the BLAKE2b chain digest.
 """
 
 from __future__ import annotations
 
+import os
+import stat
 import struct
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import blake3
 import numpy as np
 import torch
 import xxhash
 
-MAGIC = b"KVSCOPE\x01"
-FORMAT_VERSION = 1
-HEADER_SIZE = 128
-_FIELDS = struct.Struct("<8sHHII5IQQ32s")
-_HEADER_SUM = struct.Struct("<Q")
-_PSUM_AT, _NS_AT, _RESERVED_AT = 48, 56, _FIELDS.size
-_SUM_AT = HEADER_SIZE - _HEADER_SUM.size
-_ZEROS = bytes(_SUM_AT - _RESERVED_AT)
-assert _RESERVED_AT == _NS_AT + 32 and _SUM_AT > _RESERVED_AT
+from agent.errors import InputError
+
+MAGIC = b"KVSCOPE\x02"
+#: The version-1 format (no embedded key): never served, counted as `mismatch`.
+MAGIC_V1 = b"KVSCOPE\x01"
+FORMAT_VERSION = 2
+HEADER_SIZE = 192
+FLAG_MAC = 1
+_FIELDS = struct.Struct("<8sHHII5IQII8s32s32s")
+_KEY_AT, _DIGEST_AT, _NS_AT, _RESERVED_AT, _TAG_AT = 56, 64, 96, 128, 160
+_ZEROS = bytes(_TAG_AT - _RESERVED_AT)
+_NO_KEY = bytes(8)
+assert _FIELDS.size == _RESERVED_AT and HEADER_SIZE == _TAG_AT + 32
 
 DTYPE_CODES: dict[torch.dtype, int] = {
     torch.float32: 1,
@@ -45,20 +64,89 @@ DTYPE_CODES: dict[torch.dtype, int] = {
     torch.float8_e5m2: 6,
 }
 _CODE_DTYPES = {c: d for d, c in DTYPE_CODES.items()}
+#: BLAKE3 key-derivation contexts: the MAC key and its public id come from one secret.
+_MAC_CONTEXT = "kvscope 2026-12 remote KV object MAC key"
+_ID_CONTEXT = "kvscope 2026-12 remote KV object key id"
+#: The environment variable naming the key file (`--remote-key-file` overrides it).
+KEY_FILE_ENV = "KVSCOPE_REMOTE_KEY_FILE"
+_MIN_SECRET = 16
+
+
+@dataclass(slots=True, frozen=True)
+class ObjectKey:
+    """The secret that authenticates remote objects (a keyed BLAKE3 MAC over each object).
+
+    Attributes:
+        mac_key: the 32-byte MAC key, derived from the secret.
+        key_id: 8 bytes derived from the same secret and stored in each object's header, so
+            an object written under another key is recognised (as `mismatch`) without a MAC.
+        source: where the secret came from (for messages; never the secret itself).
+    """
+
+    mac_key: bytes = field(repr=False)
+    key_id: bytes
+    source: str = field(default="", compare=False)
+
+    @classmethod
+    def from_secret(cls, secret: bytes, source: str = "") -> ObjectKey:
+        """The key of a secret of at least 16 bytes (any bytes: the key derivation spreads
+        them)."""
+        if len(secret) < _MIN_SECRET:
+            raise ValueError(f"the remote key must be at least {_MIN_SECRET} bytes, "
+                             f"got {len(secret)}")
+        mac = blake3.blake3(secret, derive_key_context=_MAC_CONTEXT).digest()
+        kid = blake3.blake3(secret, derive_key_context=_ID_CONTEXT).digest()[:8]
+        return cls(mac, kid, source)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str], flag: str = "--remote-key-file"
+                  ) -> ObjectKey:
+        """Read the secret from `path` (its whole contents; a trailing newline is dropped).
+
+        Raises:
+            InputError: the file is missing, unreadable, too short, or readable by others
+                (a shared key must be as private as an ssh key).
+        """
+        p = Path(path)
+        try:
+            st = p.stat()
+            data = p.read_bytes()
+        except OSError as exc:
+            raise InputError(f"{flag} {p}: cannot read the remote key "
+                             f"({exc.strerror or exc})") from None
+        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise InputError(f"{flag} {p}: the remote key file is readable by other users "
+                             f"(mode {stat.S_IMODE(st.st_mode):o}); chmod 600 it")
+        secret = data.rstrip(b"\r\n")
+        if len(secret) < _MIN_SECRET:
+            raise InputError(f"{flag} {p}: the remote key must be at least {_MIN_SECRET} "
+                             f"bytes, got {len(secret)}")
+        return cls.from_secret(secret, str(p))
+
+    @property
+    def key_id_hex(self) -> str:
+        return self.key_id.hex()
 
 
 class CorruptObject(Exception):
-    """A stored block object that cannot be used; the caller counts it as
-    `load_failed_checksum_tokens` and treats the block as a miss.
+    """A stored block object that cannot be used; the block is treated as a miss and its
+    tokens recomputed.
 
     Attributes:
-        reason: a short fixed word (magic, version, header_checksum, namespace, dtype, shape,
-            tokens, layers, length, reserved, truncated, checksum) — safe as a counter key.
+        reason: a short fixed word saying which check failed, safe as a counter key
+            (`corrupt_<reason>`): magic, truncated, length, checksum, mac (integrity: the
+            bytes are damaged or forged), format, version, keyed, unkeyed, key_id, digest,
+            namespace, layout (the object is intact but not the one asked for).
+        failure: the load-failure reason it counts under: `checksum` or `mismatch`.
     """
 
+    _MISMATCH = frozenset(("format", "version", "keyed", "unkeyed", "key_id", "digest",
+                           "namespace", "layout"))
+
     def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"corrupt KV object: {reason}" + (f" ({detail})" if detail else ""))
+        super().__init__(f"unusable KV object: {reason}" + (f" ({detail})" if detail else ""))
         self.reason = reason
+        self.failure = "mismatch" if reason in self._MISMATCH else "checksum"
 
 
 @dataclass(slots=True, frozen=True)
@@ -96,8 +184,9 @@ class BlockLayout:
         object.__setattr__(self, "payload_bytes", n * self.dtype.itemsize)
         b = bytearray(_FIELDS.size)
         _FIELDS.pack_into(b, 0, MAGIC, FORMAT_VERSION, DTYPE_CODES[self.dtype], self.block_size,
-                          self.num_layers, *self.payload_shape, self.payload_bytes, 0, bytes(32))
-        object.__setattr__(self, "header_prefix", bytes(b[:_PSUM_AT]))
+                          self.num_layers, *self.payload_shape, self.payload_bytes, 0, 0,
+                          _NO_KEY, bytes(32), bytes(32))
+        object.__setattr__(self, "header_prefix", bytes(b[:48]))
 
     @classmethod
     def from_kv_caches(cls, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> BlockLayout:
@@ -125,13 +214,39 @@ def byte_view(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.uint8).numpy().reshape(-1)
 
 
-def encode(layout: BlockLayout, namespace: bytes, payload: torch.Tensor) -> bytes:
-    """One block object (header + payload bytes).
+def _expected_head(layout: BlockLayout, digest: bytes, namespace: bytes,
+                   key: ObjectKey | None) -> bytes:
+    """header[0:TAG_AT] of the object `digest` would have to be, under `key`."""
+    mode = struct.pack("<II8s", FLAG_MAC if key is not None else 0, 0,
+                       key.key_id if key is not None else _NO_KEY)
+    return b"".join((layout.header_prefix, mode, digest, namespace, _ZEROS))
+
+
+def _tag(head: bytes | memoryview, body: np.ndarray | memoryview, key: ObjectKey | None
+         ) -> bytes:
+    """The 32-byte tag over `head` (header[0:TAG_AT]) then the payload bytes."""
+    if key is not None:
+        h = blake3.blake3(key=key.mac_key)
+        h.update(head)
+        h.update(body)
+        return h.digest()
+    x = xxhash.xxh3_64()
+    x.update(head)
+    x.update(body)
+    return x.digest()[::-1] + bytes(24)  # little-endian, like the other integers
+
+
+def encode(layout: BlockLayout, digest: bytes, namespace: bytes, payload: torch.Tensor,
+           key: ObjectKey | None = None) -> bytes:
+    """One block object (header + payload bytes), bound to its key.
 
     Args:
         layout: the engine's block layout.
+        digest: the 32-byte chain digest the object is stored under.
         namespace: the 32-byte namespace digest of the request the block belongs to.
         payload: a CPU tensor shaped `layout.payload_shape` in `layout.dtype`.
+        key: the shared secret that authenticates objects; None writes an unauthenticated
+            object (integrity against corruption only).
 
     Returns:
         The object bytes (`layout.object_bytes` long).
@@ -139,102 +254,104 @@ def encode(layout: BlockLayout, namespace: bytes, payload: torch.Tensor) -> byte
     if tuple(payload.shape) != layout.payload_shape or payload.dtype != layout.dtype:
         raise ValueError(f"payload must be {layout.payload_shape} {layout.dtype}, "
                          f"got {tuple(payload.shape)} {payload.dtype}")
-    if len(namespace) != 32:
-        raise ValueError(f"namespace digest must be 32 bytes, got {len(namespace)}")
+    for what, v in (("digest", digest), ("namespace digest", namespace)):
+        if len(v) != 32:
+            raise ValueError(f"{what} must be 32 bytes, got {len(v)}")
     body = byte_view(payload.contiguous().cpu())
+    head = _expected_head(layout, digest, namespace, key)
     out = bytearray(HEADER_SIZE + body.size)
-    mv = memoryview(out)
-    np.frombuffer(mv, dtype=np.uint8, offset=HEADER_SIZE)[:] = body
-    _FIELDS.pack_into(out, 0, MAGIC, FORMAT_VERSION, DTYPE_CODES[layout.dtype],
-                      layout.block_size, layout.num_layers, *layout.payload_shape,
-                      body.size, xxhash.xxh3_64_intdigest(body), namespace)
-    end = HEADER_SIZE - _HEADER_SUM.size
-    _HEADER_SUM.pack_into(out, end, xxhash.xxh3_64_intdigest(mv[:end]))
+    out[:_TAG_AT] = head
+    out[_TAG_AT:HEADER_SIZE] = _tag(head, body, key)
+    np.frombuffer(memoryview(out), dtype=np.uint8, offset=HEADER_SIZE)[:] = body
     return bytes(out)
 
 
-def _check_header(mv: memoryview, layout: BlockLayout, namespace: bytes) -> tuple[int, int]:
-    """Validate the header bytes `mv[:HEADER_SIZE]`; returns (payload length, payload xxh3)."""
-    # Fast path (per block on the read path): every byte but the two checksums is known.
-    if (mv[:_PSUM_AT] == layout.header_prefix and mv[_NS_AT:_RESERVED_AT] == namespace
-            and mv[_RESERVED_AT:_SUM_AT] == _ZEROS
-            and _HEADER_SUM.unpack_from(mv, _SUM_AT)[0] == xxhash.xxh3_64_intdigest(mv[:_SUM_AT])):
-        return layout.payload_bytes, _HEADER_SUM.unpack_from(mv, _PSUM_AT)[0]
-    # Slow path: find which field is wrong.
-    (magic, version, dcode, tokens, layers, s0, s1, s2, s3, s4, length, _psum,
-     ns) = _FIELDS.unpack_from(mv, 0)
+def _verify(head: memoryview, body: np.ndarray | memoryview, total: int, layout: BlockLayout,
+            digest: bytes, namespace: bytes, key: ObjectKey | None) -> None:
+    """Check an object read as `head` (its first HEADER_SIZE bytes, or fewer when it is
+    shorter) and `body` (its payload bytes), `total` bytes long, against the key it was fetched
+    for. Raises CorruptObject."""
+    if len(head) >= 8 and head[:8] == MAGIC_V1:
+        raise CorruptObject("format", "a version-1 object carries no key")
+    if total < HEADER_SIZE:
+        raise CorruptObject("truncated", f"{total} bytes, header is {HEADER_SIZE}")
+    want = _expected_head(layout, digest, namespace, key)
+    if head[:_TAG_AT] == want:  # fast path: every header byte is what it must be
+        if total != HEADER_SIZE + layout.payload_bytes:
+            raise CorruptObject("truncated" if total < layout.object_bytes else "length",
+                                f"{total - HEADER_SIZE} of {layout.payload_bytes} payload bytes")
+        if head[_TAG_AT:HEADER_SIZE] != _tag(want, body, key):
+            raise CorruptObject("mac" if key is not None else "checksum")
+        return
+    # Slow path: is the object intact (then it is another object: a mismatch), or damaged?
+    (magic, version, _d, _t, _l, *_shape, length, flags, _r, kid, got_digest, got_ns
+     ) = _FIELDS.unpack_from(head, 0)
     if magic != MAGIC:
         raise CorruptObject("magic")
-    end = HEADER_SIZE - _HEADER_SUM.size
-    if _HEADER_SUM.unpack_from(mv, end)[0] != xxhash.xxh3_64_intdigest(mv[:end]):
-        raise CorruptObject("header_checksum")
+    if flags & FLAG_MAC:  # the tag can only be checked with the key it was written under
+        if key is None:
+            raise CorruptObject("keyed", "a keyed object, and this engine has no remote key")
+        if kid != key.key_id:
+            raise CorruptObject("key_id", f"written under key {bytes(kid).hex()}, "
+                                          f"expected {key.key_id_hex}")
+    if total != HEADER_SIZE + length or len(body) != length:
+        raise CorruptObject("truncated" if total < HEADER_SIZE + length else "length",
+                            f"{total - HEADER_SIZE} of {length} payload bytes")
+    own_key = key if flags & FLAG_MAC else None
+    if head[_TAG_AT:HEADER_SIZE] != _tag(head[:_TAG_AT], body, own_key):
+        raise CorruptObject("mac" if own_key is not None else "checksum")
+    # Intact (its own tag holds): it is not the object asked for.
+    if own_key is None and key is not None:
+        raise CorruptObject("unkeyed", "an unauthenticated object, and a key is required")
     if version != FORMAT_VERSION:
         raise CorruptObject("version", f"{version}, expected {FORMAT_VERSION}")
-    if ns != namespace:
+    if got_digest != digest:
+        raise CorruptObject("digest", "stored under another block's key")
+    if got_ns != namespace:
         raise CorruptObject("namespace")
-    if _CODE_DTYPES.get(dcode) != layout.dtype:
-        raise CorruptObject("dtype", f"code {dcode}")
-    if (s0, s1, s2, s3, s4) != layout.payload_shape:
-        raise CorruptObject("shape", f"{(s0, s1, s2, s3, s4)}")
-    if tokens != layout.block_size:
-        raise CorruptObject("tokens", f"{tokens}")
-    if layers != layout.num_layers:
-        raise CorruptObject("layers", f"{layers}")
-    if length != layout.payload_bytes:
-        raise CorruptObject("length", f"{length}")
-    raise CorruptObject("reserved", "reserved header bytes are not zero")
+    raise CorruptObject("layout", "another dtype, shape or reserved bytes")
 
 
-def check(data: bytes | bytearray | memoryview, layout: BlockLayout,
-          namespace: bytes) -> memoryview:
-    """Validate a block object and return its payload bytes (no copy).
+def check(data: bytes | bytearray | memoryview, layout: BlockLayout, digest: bytes,
+          namespace: bytes, key: ObjectKey | None = None) -> memoryview:
+    """Validate a block object fetched for `digest` and return its payload bytes (no copy).
 
     Raises:
-        CorruptObject: anything does not match `layout`/`namespace`, or the object is
-            truncated, or a checksum fails.
+        CorruptObject: truncated, damaged, forged (`failure == "checksum"`), or another
+            object or an old format (`failure == "mismatch"`).
     """
     mv = memoryview(data).cast("B")
-    if len(mv) < HEADER_SIZE:
-        raise CorruptObject("truncated", f"{len(mv)} bytes, header is {HEADER_SIZE}")
-    length, psum = _check_header(mv, layout, namespace)
-    if len(mv) != HEADER_SIZE + length:
-        raise CorruptObject("truncated", f"{len(mv) - HEADER_SIZE} of {length} payload bytes")
-    body = mv[HEADER_SIZE:]
-    if xxhash.xxh3_64_intdigest(body) != psum:
-        raise CorruptObject("checksum")
+    body = mv[HEADER_SIZE:] if len(mv) > HEADER_SIZE else mv[:0]
+    _verify(mv[:HEADER_SIZE], body, len(mv), layout, digest, namespace, key)
     return body
 
 
 def check_split(header: bytes | bytearray, body: np.ndarray, total: int, layout: BlockLayout,
-                namespace: bytes) -> None:
+                digest: bytes, namespace: bytes, key: ObjectKey | None = None) -> None:
     """Validate an object read in two parts: `header` and the payload read in place into `body`
     (a destination block's bytes), `total` being the object's length as read.
 
     Raises:
         CorruptObject: as `check` (`body` then holds whatever was read: discard it).
     """
-    if total < HEADER_SIZE:
-        raise CorruptObject("truncated", f"{total} bytes, header is {HEADER_SIZE}")
-    length, psum = _check_header(memoryview(header), layout, namespace)
-    if total != HEADER_SIZE + length or body.size != length:
-        raise CorruptObject("truncated", f"{total - HEADER_SIZE} of {length} payload bytes")
-    if xxhash.xxh3_64_intdigest(body) != psum:
-        raise CorruptObject("checksum")
+    _verify(memoryview(header)[:min(total, HEADER_SIZE)], body, total, layout, digest,
+            namespace, key)
 
 
-def decode_into(data: bytes | bytearray | memoryview, layout: BlockLayout, namespace: bytes,
-                dest: torch.Tensor | np.ndarray) -> None:
-    """Validate a block object and copy its payload into `dest`.
+def decode_into(data: bytes | bytearray | memoryview, layout: BlockLayout, digest: bytes,
+                namespace: bytes, dest: torch.Tensor | np.ndarray,
+                key: ObjectKey | None = None) -> None:
+    """Validate a block object fetched for `digest` and copy its payload into `dest`.
 
     Args:
         dest: a contiguous CPU tensor shaped `layout.payload_shape` (a host pool slot or a
             preallocated staging block), or such a tensor's `byte_view`. Untouched when the
-            object is corrupt.
+            object is unusable.
 
     Raises:
         CorruptObject: as `check`.
     """
-    body = check(data, layout, namespace)
+    body = check(data, layout, digest, namespace, key)
     np.copyto(dest_bytes(dest, layout), np.frombuffer(body, dtype=np.uint8))
 
 
@@ -255,11 +372,11 @@ def dest_bytes(dest: torch.Tensor | np.ndarray, layout: BlockLayout) -> np.ndarr
     return byte_view(dest)
 
 
-def decode(data: bytes | bytearray | memoryview, layout: BlockLayout,
-           namespace: bytes) -> torch.Tensor:
+def decode(data: bytes | bytearray | memoryview, layout: BlockLayout, digest: bytes,
+           namespace: bytes, key: ObjectKey | None = None) -> torch.Tensor:
     """Validate a block object and return its payload as a new tensor."""
     out = torch.empty(layout.payload_shape, dtype=layout.dtype)
-    decode_into(data, layout, namespace, out)
+    decode_into(data, layout, digest, namespace, out, key)
     return out
 
 

@@ -17,12 +17,17 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class Read:
-    """One prefetch (a `remote_read` transfer) of some blocks into staging."""
+    """One prefetch (a `remote_read` transfer) of some blocks into staging.
+
+    `deadline_ns`: when a request waiting for it stops waiting (its start plus one remote
+    operation deadline, monotonic ns); the request then recomputes what did not arrive.
+    """
 
     future: Future[ReadResult]
     transfer_id: int
     hashes: list[BlockHash]
     request_num: int
+    deadline_ns: int
 
 
 @dataclass(slots=True)
@@ -48,7 +53,7 @@ class TierPlan:
     layer_load_ns: list[int] = field(default_factory=list)
     layer_wait_ns: list[int] = field(default_factory=list)
     stored: int = 0  # blocks handed to the write-behind queue (chain index)
-    waited: bool = False  # left `queue` for `remote_read` in this admission attempt
+    waited: bool = False  # left `remote_read` for `queue` in this admission attempt
 
     @property
     def remote_lo(self) -> int:

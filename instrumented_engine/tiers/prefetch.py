@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from instrumented_engine.core.block_hash import BlockHash
@@ -36,18 +37,27 @@ log = logging.getLogger(__name__)
 class Prefetcher:
     """Remote → staging reads, started at arrival and shared by the requests needing a block.
 
+    Nothing here blocks the engine loop: a read has a deadline (its start plus one remote
+    operation deadline); `settle` takes what finished and counts what did not as `timeout`.
+
     Args:
         remote: the resilient remote tier.
         staging: the host pool the reads land in.
         workers: threads running reads.
         recorder: an agent.telemetry.Recorder (transfer ids), or None.
+        clock: monotonic ns (the recorder's).
+        on_done: called (on a worker thread) when a read finishes: the engine loop's wake-up.
     """
 
     def __init__(self, remote: ResilientRemote, staging: HostKVPool, workers: int, *,
-                 recorder: Any) -> None:
+                 recorder: Any, clock: Callable[[], int] = time.monotonic_ns,
+                 on_done: Callable[[], None] | None = None) -> None:
         self.remote = remote
         self.staging = staging
         self.rec = recorder
+        self.clock = clock
+        self.on_done = on_done
+        self.deadline_ns = int(remote.config.timeout_s * 1e9)
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvscope-prefetch")
         self._inflight: dict[BlockHash, Read] = {}
         self._lock = threading.Lock()
@@ -78,31 +88,55 @@ class Prefetcher:
             fut = self._pool.submit(prefetch_into_host, self.remote, self.staging, own,
                                     req.namespace, transfer_id=tid,
                                     request_num=req.request_num)
-            read = Read(fut, tid, own, req.request_num)
+            read = Read(fut, tid, own, req.request_num, self.clock() + self.deadline_ns)
             plan.reads.append(read)
             for h in own:
                 inflight[h] = read
+        fut.add_done_callback(self._finished)
+
+    def _finished(self, _fut: Future[ReadResult]) -> None:
+        if self.on_done is not None:
+            try:
+                self.on_done()
+            except Exception:  # a wake-up must never fail a read
+                log.exception("prefetch completion callback failed")
 
     @staticmethod
-    def pending(plan: TierPlan) -> bool:
-        """Whether a read the request needs is still running."""
-        return not all(r.future.done() for r in plan.reads)
+    def pending(plan: TierPlan) -> list[Read]:
+        """The reads the request needs that are still running."""
+        return [r for r in plan.reads if not r.future.done()]
+
+    @staticmethod
+    def finished_at(plan: TierPlan) -> int:
+        """When the last of the request's finished reads ended (monotonic ns; -1 if none)."""
+        ends = []
+        for r in plan.reads:
+            if r.future.done() and not r.future.cancelled():
+                try:
+                    ends.append(r.future.result().end_ns)
+                except Exception:
+                    continue
+        return max(ends, default=-1)
 
     @staticmethod
     def settle(req: Request, plan: TierPlan) -> None:
-        """(Engine loop) wait for the request's reads; fill `plan.statuses` (one per
-        remote-promised block) and its own read's byte and block counts."""
+        """(Engine loop; never waits) fill `plan.statuses` (one per remote-promised block) from
+        the request's finished reads and its own read's byte and block counts; blocks of reads
+        still running are `timeout` (their deadline has passed)."""
         status: dict[BlockHash, str | None] = {}
         for r in plan.reads:
-            try:
-                res = r.future.result()
-                sts = res.statuses
-                if r.request_num == req.request_num:
-                    plan.remote_nbytes += res.nbytes
-                    plan.staged_blocks += res.loaded
-            except Exception:  # a bug below us: recompute rather than fail the request
-                log.exception("prefetch failed unexpectedly")
-                sts = ["error"] * len(r.hashes)
+            if not r.future.done():
+                sts: list[str | None] = ["timeout"] * len(r.hashes)
+            else:
+                try:
+                    res = r.future.result()
+                    sts = res.statuses
+                    if r.request_num == req.request_num:
+                        plan.remote_nbytes += res.nbytes
+                        plan.staged_blocks += res.loaded
+                except Exception:  # a bug below us: recompute rather than fail the request
+                    log.exception("prefetch failed unexpectedly")
+                    sts = ["error"] * len(r.hashes)
             status.update(zip(r.hashes, sts, strict=True))
         hashes = req.block_hashes[plan.remote_lo:plan.remote_hi]
         plan.statuses = [status.get(h, "error") for h in hashes]

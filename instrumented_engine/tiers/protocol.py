@@ -40,6 +40,11 @@ class KVTier(Protocol):
 class TierLoader(Protocol):
     """Loads blocks from the tiers beyond the device at admission (engine loop thread)."""
 
+    def ready(self, req: Request) -> bool:
+        """Whether the request may be admitted now (False: its remote reads are still running
+        and their deadline has not passed; it is left out of this step). Never blocks."""
+        ...
+
     def prepare(self, req: Request, num_hit_blocks: int) -> int:
         """Blocks after the device hits that can be loaded now; held until `admitted` copied
         them or `cancel` released them."""

@@ -1,5 +1,5 @@
 """The remote tier as the engine sees it: any `RemoteStore` (tiers.stores) behind timeouts,
-retries, a circuit breaker, and every failure classified by reason (agent.schema.LOAD_FAIL_REASONS).
+retries, circuit breakers, and every failure classified by reason (agent.schema.LOAD_FAIL_REASONS).
 
 Each backend operation runs on a small worker pool and is awaited with a deadline. A read
 decodes into caller-owned destination tensors *inside* the worker, so after a timeout the worker
@@ -8,13 +8,18 @@ reuse those buffers until `ReadResult.when_buffers_free` fires (the read complet
 as `late_completions` — or was cancelled before it started). A timed-out read is therefore not
 retried into the same buffers; backend errors are retried up to `retries` times.
 
+Each operation kind (lookup, read, write) has its own circuit breaker, judged only by its own
+operations: fast lookups cannot keep the breaker of timing-out reads closed, and a failing
+write path does not stop reads that work.
+
 Failures per block: `evicted` (promised by the lookup but gone at read time), `checksum` (the
-object failed format.check), and for a whole operation `timeout`, `error`, `circuit_open`.
-Timeouts and errors feed the breaker; corrupt objects do not (the backend is up).
+object is damaged or forged: format.check), `mismatch` (an intact object stored under another
+key, or of the old format), and for a whole operation `timeout`, `error`, `circuit_open`.
+Timeouts and errors feed the breaker; unusable objects do not (the backend is up).
 
 Counters (`stats`): `failures` are failed backend *attempts* by reason (timeout, error,
-circuit_open: what the op counters and breaker see); `blocks_failed_<reason>` counts blocks not
-loaded by reason (all five LOAD_FAIL_REASONS); `corrupt_<field>` says which check failed;
+circuit_open: what the op counters and breakers see); `blocks_failed_<reason>` counts blocks not
+loaded by reason (every LOAD_FAIL_REASON); `corrupt_<field>` says which check failed;
 `outcomes` counts each lookup/read/write once by its outcome (agent.schema.REMOTE_OP_OUTCOMES),
 which the engine reports in its `EngineStatus` (the exporters name them).
 """
@@ -113,51 +118,71 @@ class ReadResult:
             self.pending.add_done_callback(lambda _f: callback())
 
 
+OPS: tuple[str, ...] = ("lookup", "read", "write")
+
+
 class ResilientRemote:
     """Wraps a raw `RemoteStore`; never raises backend failures, returns them classified.
 
     Args:
         store: the raw (possibly fault-injecting) store.
         layout: the engine's block layout (objects are checked against it).
-        config: timeouts, retries, breaker.
+        config: timeouts, retries, breakers.
+        key: the shared secret that authenticates objects (writes are MACed, reads must
+            carry a valid MAC); None: an unauthenticated remote (integrity only).
         recorder: optional agent.telemetry.Recorder: activity spans (`remote_lookup`,
             `remote_read`, `remote_write`) and breaker events (`circuit_open`,
-            `circuit_close`).
-        on_breaker_change: extra callback (old, new, t_ns) on breaker transitions.
-        clock: monotonic ns (the breaker's cool-down and the spans).
+            `circuit_close`, detail `op`).
+        on_breaker_change: extra callback (op, old, new, t_ns) on breaker transitions.
+        clock: monotonic ns (the breakers' cool-down and the spans).
     """
 
     name = "remote"
 
     def __init__(self, store: RemoteStore, layout: fmt.BlockLayout,
-                 config: ResilienceConfig = ResilienceConfig(), *, recorder: Any = None,
-                 on_breaker_change: Callable[[str, str, int], None] | None = None,
+                 config: ResilienceConfig = ResilienceConfig(), *,
+                 key: fmt.ObjectKey | None = None, recorder: Any = None,
+                 on_breaker_change: Callable[[str, str, str, int], None] | None = None,
                  clock: Callable[[], int] = time.monotonic_ns) -> None:
         self.store = store
         self.layout = layout
         self.config = config
+        self.key = key
         self.recorder = recorder
         self.clock = clock
         self.stats = OpStats()
         self._user_on_change = on_breaker_change
-        self.breaker = CircuitBreaker(config.breaker, on_change=self._breaker_changed,
-                                      clock=clock)
+        #: One breaker per operation kind.
+        self.breakers: dict[str, CircuitBreaker] = {
+            op: CircuitBreaker(config.breaker, clock=clock,
+                               on_change=lambda o, n, t, op=op: self._breaker_changed(op, o, n, t))
+            for op in OPS}
         self._pool = ThreadPoolExecutor(config.workers, thread_name_prefix="kvscope-remote")
         self._closed = threading.Event()
 
+    def breaker_states(self) -> dict[str, str]:
+        """Each operation kind's breaker state (closed, open, half_open)."""
+        return {op: b.state for op, b in self.breakers.items()}
+
+    def breaker_open_ns(self) -> dict[str, int]:
+        """How long each breaker has been open in all (including an open period now)."""
+        return {op: b.open_time_ns() for op, b in self.breakers.items()}
+
     # ------------------------------------------------------------------ breaker plumbing
-    def _breaker_changed(self, old: str, new: str, t_ns: int) -> None:
-        self.stats.add(f"breaker_{new}")
+    def _breaker_changed(self, op: str, old: str, new: str, t_ns: int) -> None:
+        self.stats.add(f"breaker_{op}_{new}")
         if self.recorder is not None:
             # Events pair up as open/close intervals; a failed half-open probe (half_open →
-            # open) keeps the circuit open and is only counted (`breaker_open` in stats).
+            # open) keeps the circuit open and is only counted (`breaker_<op>_open`).
             if new == OPEN and old == CLOSED:
-                self.recorder.event("circuit_open", t=t_ns, source="remote",
-                                    detail={"failures": self.breaker.consecutive_failures})
+                self.recorder.event(
+                    "circuit_open", t=t_ns, source="remote",
+                    detail={"op": op, "failures": self.breakers[op].consecutive_failures})
             elif new == CLOSED:
-                self.recorder.event("circuit_close", t=t_ns, source="remote")
+                self.recorder.event("circuit_close", t=t_ns, source="remote",
+                                    detail={"op": op})
         if self._user_on_change is not None:
-            self._user_on_change(old, new, t_ns)
+            self._user_on_change(op, old, new, t_ns)
 
     @staticmethod
     def _reason(e: BaseException) -> str:
@@ -172,7 +197,8 @@ class ResilientRemote:
         if self._closed.is_set():
             self.stats.fail("error")
             return None, "error", None
-        if not self.breaker.allow():
+        breaker = self.breakers[op]
+        if not breaker.allow():
             self.stats.fail("circuit_open")
             return None, "circuit_open", None
         reason = "error"
@@ -190,7 +216,7 @@ class ResilientRemote:
                 else:
                     fut.add_done_callback(self._late)
                 self.stats.fail("timeout")
-                self.breaker.record_failure()
+                breaker.record_failure()
                 return None, "timeout", fut
             except (RemoteError, OSError, CancelledError) as e:
                 reason = self._reason(e)
@@ -207,9 +233,9 @@ class ResilientRemote:
                 reason = "error"
                 break
             self.stats.op(op, self.clock() - t0)
-            self.breaker.record_success()
+            breaker.record_success()
             return value, None, None
-        self.breaker.record_failure()
+        breaker.record_failure()
         return None, reason, None
 
     def _late(self, fut: Future[Any]) -> None:
@@ -249,7 +275,8 @@ class ResilientRemote:
 
         Args:
             block_hashes: the digests to load, in chain order.
-            namespace: the request's namespace digest (checked against each header).
+            namespace: the request's namespace digest (each object must carry it, and the
+                digest it is read for).
             dests: destination blocks: payload-shaped contiguous CPU tensors (host pool slots,
                 staging blocks) or their `format.byte_view`s (cheaper per block).
             transfer_id: the id for the activity span (a new one when None and a recorder is
@@ -266,6 +293,7 @@ class ResilientRemote:
             transfer_id = -1 if self.recorder is None else self.recorder.new_transfer_id()
         t0 = self.clock()
         layout = self.layout
+        key = self.key
 
         read_in_place = getattr(self.store, "read_into", None)
 
@@ -275,16 +303,16 @@ class ResilientRemote:
             objs = self.store.read_many(block_hashes)
             statuses: list[str | None] = []
             nbytes = 0
-            for data, dest in zip(objs, rows, strict=True):
+            for h, data, dest in zip(block_hashes, objs, rows, strict=True):
                 if data is None:
                     statuses.append("evicted")
                     continue
                 nbytes += len(data)
                 try:
-                    fmt.decode_into(data, layout, namespace, dest)
+                    fmt.decode_into(data, layout, h, namespace, dest, key)
                 except fmt.CorruptObject as e:
                     self.stats.add(f"corrupt_{e.reason}")
-                    statuses.append("checksum")
+                    statuses.append(e.failure)
                     continue
                 statuses.append(LOADED)
             return statuses, nbytes
@@ -296,9 +324,11 @@ class ResilientRemote:
         else:
             statuses, nbytes = value
             res = ReadResult(statuses, nbytes, transfer_id, t0, t1)
-        # A read that reached the backend but returned a corrupt object is a `checksum`
-        # outcome; a promised object that is gone (`evicted`) is not a backend failure.
-        outcome = reason or ("checksum" if "checksum" in res.statuses else "ok")
+        # A read that reached the backend but returned an unusable object is a `checksum` (or,
+        # for intact objects of another key, `mismatch`) outcome; a promised object that is
+        # gone (`evicted`) is not a backend failure.
+        outcome = reason or next((o for o in ("checksum", "mismatch") if o in res.statuses),
+                                 "ok")
         self.stats.outcome("read", outcome)
         for r, n in res.failed_by_reason().items():
             self.stats.add(f"blocks_failed_{r}", n)
@@ -326,10 +356,10 @@ class ResilientRemote:
                 continue
             nbytes += min(total, self.layout.object_bytes)
             try:
-                fmt.check_split(header, body, total, self.layout, namespace)
+                fmt.check_split(header, body, total, self.layout, h, namespace, self.key)
             except fmt.CorruptObject as e:
                 self.stats.add(f"corrupt_{e.reason}")
-                statuses.append("checksum")
+                statuses.append(e.failure)
                 continue
             statuses.append(LOADED)
         return statuses, nbytes
@@ -340,7 +370,7 @@ class ResilientRemote:
         Returns:
             None when stored, else the failure reason (timeout, error, circuit_open).
         """
-        data = fmt.encode(self.layout, namespace, payload)
+        data = fmt.encode(self.layout, block_hash, namespace, payload, self.key)
         return self.write_object(block_hash, data)
 
     def write_object(self, block_hash: bytes, data: bytes) -> str | None:

@@ -80,7 +80,10 @@ def test_tier_flags_warm_remote_then_faults(tmp_path: Path) -> None:
     run = open_run(tmp_path / "faulty")
     assert run.meta["config"]["tiers"]["remote"] == {
         "url": remote, "timeout_ms": 500.0,
-        "faults": ["remote-corrupt-rate=1", "remote-latency=1ms"]}
+        "faults": ["remote-corrupt-rate=1", "remote-latency=1ms"], "authenticated": False,
+        "key_id": None}
+    events = run.events
+    assert (events["name"] == "unauthenticated_remote").sum() == 1
     assert (run.requests["load_failed_checksum_tokens"] > 0).any()
     assert "remote_read" in set(run.spans["name"])
 

@@ -46,6 +46,12 @@ class RemoteStore(Protocol):
         """Store one object (atomically: readers see all of it or nothing)."""
         ...
 
+    def check(self) -> None:
+        """Raise `RemoteError` (naming what failed) unless the store is reachable and usable
+        now: a run checks its remote once at start, so a wrong URL fails in one clear line
+        instead of showing as failures later."""
+        ...
+
     def close(self) -> None:
         """Release connections and files."""
         ...

@@ -126,6 +126,17 @@ class FileStore:
         except OSError as e:
             raise RemoteError(f"write {block_hash.hex()}: {e}") from e
 
+    def check(self) -> None:
+        """The directory exists and this process can create and remove a file in it."""
+        probe = self.root / f".kvscope-check.{os.getpid()}.{threading.get_ident()}"
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            raise RemoteError(f"file store {self.root} is not writable "
+                              f"({e.strerror or e})") from e
+
     def sweep_temporaries(self) -> int:
         """Remove temporary files left by killed writers; returns how many were removed.
 

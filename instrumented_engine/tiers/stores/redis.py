@@ -98,5 +98,10 @@ class RedisStore:
         with _translated():
             self.client.set(key(block_hash), data)
 
+    def check(self) -> None:
+        """PING the server (within the socket timeout)."""
+        with _translated():
+            self.client.ping()
+
     def close(self) -> None:
         self.pool.disconnect()

@@ -194,10 +194,12 @@ def test_engine_status_becomes_the_live_series() -> None:
     rec.publish(EngineStatus(
         running=0, waiting=0, preemptions=4,
         pools=(PoolStatus("device", 0, 120, 8), PoolStatus("host", 1, 30, 33)),
-        remote=RemoteStatus("open", {("read", "timeout"): 7, ("lookup", "ok"): 2})))
+        remote=RemoteStatus({"lookup": "closed", "read": "open", "write": "half_open"},
+                            {("read", "timeout"): 7, ("lookup", "ok"): 2})))
     smp = samples(prom.registry)
     assert get(smp, "kvscope_block_pool_blocks", model=MODEL, tier="host", state="empty") == 33
-    assert get(smp, "kvscope_remote_breaker_open", model=MODEL) == 1
+    assert [get(smp, "kvscope_remote_breaker_open", model=MODEL, op=op)
+            for op in ("lookup", "read", "write")] == [0, 1, 0]
     ops = {(dict(lbl)["op"], dict(lbl)["outcome"]): v for (n, lbl), v in smp.items()
            if n == "kvscope_remote_operations_total"}
     assert len(ops) == 14 and ops[("read", "timeout")] == 7 and ops[("lookup", "ok")] == 2

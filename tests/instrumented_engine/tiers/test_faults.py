@@ -44,7 +44,7 @@ def _filled(tmp_path: Path, layout: BlockLayout, n: int) -> tuple[FileStore, lis
     store = FileStore(tmp_path)
     hs = chain(n)
     for i, h in enumerate(hs):
-        store.write(h, fmt.encode(layout, NS, payload(layout, i)))
+        store.write(h, fmt.encode(layout, h, NS, payload(layout, i)))
     return store, hs
 
 
@@ -109,12 +109,13 @@ def test_down_after_fails_everything_and_opens_breaker(layout: BlockLayout,
     assert remote.lookup(hs, 0) == 0
     dests = [torch.empty(layout.payload_shape, dtype=layout.dtype) for _ in hs]
     assert remote.read_into(hs, NS, dests).statuses == ["error", "error"]
-    assert remote.breaker.state == "open"
+    assert remote.read_into(hs, NS, dests).statuses == ["error", "error"]
+    assert remote.breaker_states() == {"lookup": "closed", "read": "open", "write": "closed"}
     assert remote.read_into(hs, NS, dests).statuses == ["circuit_open", "circuit_open"]
-    assert faulty.stats.get("injected_down") == 2  # the open breaker did not touch the store
+    assert faulty.stats.get("injected_down") == 3  # the open breaker did not touch the store
     events = rec.drain()["events"].to_pylist()
     assert [(e["name"], e["detail"]) for e in events] == [("fault", '{"kind": "down"}')]
-    assert remote.stats.failures == {"error": 2, "circuit_open": 1}  # attempts
-    assert remote.stats.get("blocks_failed_error") == 2
+    assert remote.stats.failures == {"error": 3, "circuit_open": 1}  # attempts
+    assert remote.stats.get("blocks_failed_error") == 4
     assert remote.stats.get("blocks_failed_circuit_open") == 2
     remote.close()

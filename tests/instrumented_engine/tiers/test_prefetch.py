@@ -63,21 +63,25 @@ def warm(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_queued_request_loads_while_it_waits_hidden_load(warm: Path) -> None:
+    """max_num_seqs=1 and a cold request runs first: the two warm requests wait for the slot
+    while their reads (started at submit) run, so that wait is `queue` with hidden load, and
+    only what is left of a read when the slot frees (if anything) is `remote_read`."""
     rec = Recorder()
     store = GatedReads(FileStore(warm), delay_s=0.02)
     tiers = TierConfig(remote=f"file://{warm}", resilience=ResilienceConfig(timeout_s=30.0))
     eng = LLMEngine(tiny_config(max_num_seqs=1), recorder=rec, tier_config=tiers,
                     remote_store=store)
-    ids = [eng.add_request(p, MAX_TOKENS) for p in PROMPTS]
+    cold_id = eng.add_request(tokens(99, 80), 24)  # nothing remote: it runs at once
+    ids = [eng.add_request(p, MAX_TOKENS) for p in PROMPTS[:2]]
     # No step has run: the reads were started by the submit itself.
     assert store.started.wait(30) and eng.stats.steps == 0
     store.release.set()
     outs = {o.request_id: o for o in eng.run_until_done()}
     eng.close()
-    cold = LLMEngine(tiny_config(prefix_caching=False)).generate(PROMPTS, MAX_TOKENS)
+    cold = LLMEngine(tiny_config(prefix_caching=False)).generate(PROMPTS[:2], MAX_TOKENS)
     assert [outs[i].output_token_ids for i in ids] == [c.output_token_ids for c in cold]
-    assert [outs[i].accounting.remote_loaded_tokens for i in ids] == [64, 64, 64]
-    assert all(outs[i].accounting.load_failed_tokens == 0 for i in ids)
+    assert [outs[i].accounting.remote_loaded_tokens for i in ids] == [64, 64]
+    assert all(outs[i].accounting.load_failed_tokens == 0 for i in [cold_id, *ids])
 
     t = rec.drain()
     assert check_partition(t["spans"], t["requests"]) == []
@@ -86,12 +90,46 @@ def test_queued_request_loads_while_it_waits_hidden_load(warm: Path) -> None:
     reads = spans[(spans["kind"] == "activity") & (spans["name"] == "remote_read")]
     assert sorted(reads["request_id"]) == sorted(ids)  # one own read each
     first_step = spans.loc[spans["kind"] == "step", "start_ns"].min()
-    assert reads["start_ns"].min() < first_step  # two workers: the third read waits for one
-    # max_num_seqs=1: the second and third requests queue behind the first one; their reads
-    # run during that wait, so only what is left of a read (if anything) is remote_read time.
-    for rid in ids[1:]:
+    assert reads["start_ns"].min() < first_step
+    for rid in ids:
         read = reads[reads["request_id"] == rid].iloc[0]
         row = part.loc[rid]
         assert row["hidden_load_ns"] > 0
         assert row["remote_read_ns"] < read["end_ns"] - read["start_ns"]
         assert row["queue_ns"] >= row["hidden_load_ns"]
+
+
+def test_a_hung_remote_never_stalls_the_engine_loop(warm: Path) -> None:
+    """A store whose reads block until released (a hung Redis, a SIGSTOPped server): the
+    request that needs it waits in `remote_read`, out of the batch, while every other request
+    runs to completion; at its read's deadline it recomputes, counted as `timeout`."""
+    rec = Recorder()
+    store = GatedReads(FileStore(warm), delay_s=0.0)
+    tiers = TierConfig(remote=f"file://{warm}", resilience=ResilienceConfig(timeout_s=0.5))
+    eng = LLMEngine(tiny_config(max_num_seqs=4), recorder=rec, tier_config=tiers,
+                    remote_store=store)
+    try:
+        warm_id = eng.add_request(PROMPTS[0], MAX_TOKENS)
+        assert store.started.wait(30)
+        others = [eng.add_request(tokens(200 + i, 70), MAX_TOKENS) for i in range(5)]
+        outs = {o.request_id: o for o in eng.run_until_done()}
+    finally:
+        store.release.set()
+        eng.close()
+    assert set(outs) == {warm_id, *others}
+    cold = LLMEngine(tiny_config(prefix_caching=False)).generate([PROMPTS[0]], MAX_TOKENS)[0]
+    w = outs[warm_id]
+    assert w.output_token_ids == cold.output_token_ids
+    assert w.accounting.remote_hit_tokens == 64 and w.accounting.remote_loaded_tokens == 0
+    assert w.accounting.load_failed_timeout_tokens == w.accounting.load_failed_tokens == 64
+    t = rec.drain()
+    assert check_partition(t["spans"], t["requests"]) == []
+    states = t["spans"].to_pandas()
+    states = states[states["kind"] == "state"]
+    rr = states[(states["request_id"] == warm_id) & (states["name"] == "remote_read")]
+    assert len(rr) == 1
+    # Every other request produced its first token while the warm one was still waiting on
+    # the remote: the hung read held up nobody else.
+    for rid in others:
+        assert outs[rid].first_token_ns < rr["end_ns"].iloc[0] - rec.anchor.offset_ns
+    assert eng.stats.steps > len(others)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
@@ -22,7 +23,7 @@ def _filled(tmp_path: Path, layout: BlockLayout, n: int) -> tuple[FileStore, lis
     store = FileStore(tmp_path)
     hs = chain(n)
     for i, h in enumerate(hs):
-        store.write(h, fmt.encode(layout, NS, payload(layout, i)))
+        store.write(h, fmt.encode(layout, h, NS, payload(layout, i)))
     return store, hs
 
 
@@ -70,7 +71,7 @@ def test_errors_are_retried_then_counted(layout: BlockLayout, tmp_path: Path) ->
     assert remote.read_into(hs, NS, _dests(layout, 1)).statuses == ["error"]
     assert faulty.stats.get("injected_errors") == 3
     assert remote.stats.get("retries") == 2 and remote.stats.failures == {"error": 3}
-    assert remote.breaker.consecutive_failures == 1  # one failed operation
+    assert remote.breakers["read"].consecutive_failures == 1  # one failed operation
     assert remote.write(hs[0], NS, payload(layout, 0)) == "error"
     remote.close()
 
@@ -81,38 +82,61 @@ def test_breaker_reports_to_recorder(layout: BlockLayout, tmp_path: Path) -> Non
     fail = [True]
 
     class Flaky(FaultyRemote):
-        def _before(self) -> None:
+        def _before(self, op: str) -> None:
             if fail[0]:
-                super()._before()
+                super()._before(op)
 
     faulty = Flaky(store, FaultSpec(error_rate=1.0))
     rec = Recorder(nvtx=False)
-    changes: list[tuple[str, str]] = []
+    changes: list[tuple[str, str, str]] = []
     remote = ResilientRemote(
         faulty, layout, ResilienceConfig(retries=0, breaker=BreakerConfig(2, cooldown_s=1.0)),
-        recorder=rec, on_breaker_change=lambda o, n, _t: changes.append((o, n)),
+        recorder=rec, on_breaker_change=lambda op, o, n, _t: changes.append((op, o, n)),
         clock=lambda: now[0])
-    assert remote.breaker.state == "closed"
+    assert remote.breaker_states() == {"lookup": "closed", "read": "closed", "write": "closed"}
     assert remote.lookup(hs, 0) == 0 and remote.lookup(hs, 0) == 0
-    assert remote.breaker.state == "open"
+    assert remote.breaker_states()["lookup"] == "open"
     assert remote.lookup(hs, 0) == 0
     assert remote.stats.get("lookup_failed_circuit_open") == 1
-    now[0] += 1_000_000_000
+    now[0] += 400_000_000
+    # Reads are judged on their own: the lookup breaker does not stop them.
     fail[0] = False
     dests = _dests(layout, 3)
-    res = remote.read_into(hs, NS, dests)  # the half-open probe succeeds
-    assert res.statuses == [None, None, None]
-    assert changes == [("closed", "open"), ("open", "half_open"), ("half_open", "closed")]
-    assert remote.breaker.state == "closed"
+    res = remote.read_into(hs, NS, dests)
+    assert res.statuses == [None, None, None] and remote.breaker_states()["read"] == "closed"
+    now[0] += 600_000_000
+    assert remote.lookup(hs, 0) == 3  # the half-open probe succeeds
+    assert changes == [("lookup", "closed", "open"), ("lookup", "open", "half_open"),
+                       ("lookup", "half_open", "closed")]
+    assert remote.breaker_open_ns() == {"lookup": 1_000_000_000, "read": 0, "write": 0}
     tables = rec.drain()
     events = tables["events"].to_pylist()
-    assert [(e["name"], e["source"]) for e in events] == [("circuit_open", "remote"),
-                                                          ("circuit_close", "remote")]
+    assert [(e["name"], e["source"], json.loads(e["detail"])["op"]) for e in events] == [
+        ("circuit_open", "remote", "lookup"), ("circuit_close", "remote", "lookup")]
     spans = [s for s in tables["spans"].to_pylist() if s["name"] == "remote_read"]
     assert len(spans) == 1
     s = spans[0]
     assert (s["kind"], s["tier"], s["tokens"], s["bytes"], s["transfer_id"]) == (
         "activity", "remote", 3 * layout.block_size, 3 * layout.object_bytes, res.transfer_id)
+    remote.close()
+
+
+def test_read_timeouts_open_the_read_breaker_while_lookups_stay_fast(
+        layout: BlockLayout, tmp_path: Path) -> None:
+    """Reads delayed past their deadline, lookups fast: the read breaker opens after its own
+    failures (a lookup's success does not count for reads), so later reads cost nothing."""
+    store, hs = _filled(tmp_path, layout, 2)
+    gate = threading.Event()
+    slow_reads = FaultyRemote(store, FaultSpec(read_latency_s=1.0), sleep=lambda _s: gate.wait(30))
+    remote = ResilientRemote(slow_reads, layout, ResilienceConfig(
+        timeout_s=0.05, retries=0, workers=8, breaker=BreakerConfig(3, cooldown_s=60.0)))
+    outcomes = []
+    for _ in range(5):
+        assert remote.lookup(hs, 0) == 2  # fast, and ok every time
+        outcomes.append(remote.read_into(hs, NS, _dests(layout, 2)).statuses[0])
+    assert outcomes == ["timeout"] * 3 + ["circuit_open"] * 2
+    assert remote.breaker_states() == {"lookup": "closed", "read": "open", "write": "closed"}
+    gate.set()
     remote.close()
 
 
@@ -187,13 +211,16 @@ def test_each_operation_counts_once_by_outcome(layout: BlockLayout, tmp_path: Pa
     assert corrupt.stats.outcome_counts() == {("read", "checksum"): 1}
     corrupt.close()
 
-    # Two failed operations (three attempts each) open the breaker; the third is refused.
+    # Each kind's breaker opens on its own failures: two failed lookups open the lookup
+    # breaker, and reads and writes still go to the store.
     failing = ResilientRemote(FaultyRemote(store, FaultSpec(error_rate=1.0)), layout,
                               ResilienceConfig(retries=2, breaker=BreakerConfig(2, 60.0)))
-    assert failing.lookup(hs, 0) == 0
+    assert failing.lookup(hs, 0) == 0 and failing.lookup(hs, 0) == 0
+    assert failing.lookup(hs, 0) == 0  # refused: circuit open
     assert failing.read_into(hs, NS, _dests(layout, 2)).statuses == ["error", "error"]
-    assert failing.write(hs[0], NS, payload(layout, 0)) == "circuit_open"
-    assert failing.stats.outcome_counts() == {("lookup", "error"): 1, ("read", "error"): 1,
-                                              ("write", "circuit_open"): 1}
-    assert failing.stats.failures == {"error": 6, "circuit_open": 1}
+    assert failing.write(hs[0], NS, payload(layout, 0)) == "error"
+    assert failing.stats.outcome_counts() == {("lookup", "error"): 2,
+                                              ("lookup", "circuit_open"): 1,
+                                              ("read", "error"): 1, ("write", "error"): 1}
+    assert failing.stats.failures == {"error": 12, "circuit_open": 1}
     failing.close()

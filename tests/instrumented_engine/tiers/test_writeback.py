@@ -43,7 +43,7 @@ def test_full_queue_skips_and_counts(layout: BlockLayout, tmp_path) -> None:
     assert host.lookup(hs, 0) == 4
     assert remote.lookup(hs, 0) == 4
     data = remote.store.read_many([hs[2]])[0]
-    assert data is not None and torch.equal(decode(data, layout, NS), payload(layout, 2))
+    assert data is not None and torch.equal(decode(data, layout, hs[2], NS), payload(layout, 2))
     assert wb.stats.get("host_stored") == 4 and wb.stats.get("remote_stored") == 4
     wb.close()
     assert not wb.submit(hs[5], NS, payload(layout, 5))

@@ -25,7 +25,7 @@ def test_layout_on_disk_and_round_trip(layout: BlockLayout, tmp_path: Path) -> N
     store = FileStore(tmp_path / "kv")
     hs = chain(3)
     for i, h in enumerate(hs[:2]):
-        store.write(h, fmt.encode(layout, NS, payload(layout, i)))
+        store.write(h, fmt.encode(layout, h, NS, payload(layout, i)))
     p = store.path(hs[0])
     assert p == tmp_path / "kv" / hs[0].hex()[:2] / hs[0].hex() and p.is_file()
     assert store.exists_many(hs) == [True, True, False]
@@ -41,27 +41,29 @@ def test_layout_on_disk_and_round_trip(layout: BlockLayout, tmp_path: Path) -> N
     remote.close()
 
 
-def test_corrupt_and_truncated_files_are_checksum_misses(layout: BlockLayout,
-                                                         tmp_path: Path) -> None:
+def test_corrupt_truncated_and_foreign_files_are_never_served(layout: BlockLayout,
+                                                             tmp_path: Path) -> None:
     store = FileStore(tmp_path)
     hs = chain(4)
     for i, h in enumerate(hs):
-        store.write(h, fmt.encode(layout, NS, payload(layout, i)))
+        store.write(h, fmt.encode(layout, h, NS, payload(layout, i)))
     with open(store.path(hs[1]), "r+b") as f:  # flip one payload byte in place
         f.seek(fmt.HEADER_SIZE + 5)
         b = f.read(1)
         f.seek(fmt.HEADER_SIZE + 5)
         f.write(bytes([b[0] ^ 0x80]))
     os.truncate(store.path(hs[2]), layout.object_bytes - 7)
-    store.write(hs[3], fmt.encode(layout, bytes(32), payload(layout, 3)))  # another namespace
+    store.write(hs[3], fmt.encode(layout, hs[3], bytes(32), payload(layout, 3)))  # other ns
     remote = ResilientRemote(store, layout)
     dests = [torch.zeros(layout.payload_shape, dtype=layout.dtype) for _ in hs]
     res = remote.read_into(hs, NS, dests)
-    assert res.statuses == [None, "checksum", "checksum", "checksum"]
-    assert remote.stats.get("blocks_failed_checksum") == 3 and remote.stats.failures == {}
+    assert res.statuses == [None, "checksum", "checksum", "mismatch"]
+    assert remote.stats.get("blocks_failed_checksum") == 2 and remote.stats.failures == {}
+    assert remote.stats.get("blocks_failed_mismatch") == 1
     assert {k: v for k, v in remote.stats.counters.items() if k.startswith("corrupt_")} == {
         "corrupt_checksum": 1, "corrupt_truncated": 1, "corrupt_namespace": 1}
-    assert remote.breaker.state == "closed"  # corrupt objects do not mean the backend is down
+    # Unusable objects do not mean the backend is down.
+    assert set(remote.breaker_states().values()) == {"closed"}
     remote.close()
 
 
@@ -69,7 +71,7 @@ def test_concurrent_reader_sees_whole_objects(layout: BlockLayout, tmp_path: Pat
     store = FileStore(tmp_path)
     big = BlockLayout(4, 16, 8, 64, torch.bfloat16)  # 128 KiB objects: writes take a while
     h = chain(1)[0]
-    objs = [fmt.encode(big, NS, payload(big, i)) for i in range(2)]
+    objs = [fmt.encode(big, h, NS, payload(big, i)) for i in range(2)]
     stop = threading.Event()
     reads: list[bytes | None] = []
 
@@ -102,16 +104,16 @@ _CHILD = textwrap.dedent("""
     lay = BlockLayout(3, 4, 2, 8, torch.bfloat16)
     store = FileStore(root)
     for i, d in enumerate(digests[:n]):
-        store.write(d, fmt.encode(lay, ns, torch.full(lay.payload_shape, float(i),
-                                                      dtype=lay.dtype)))
+        store.write(d, fmt.encode(lay, d, ns, torch.full(lay.payload_shape, float(i),
+                                                         dtype=lay.dtype)))
     real_write = os.write
     def half_then_hang(fd, data):
         real_write(fd, bytes(data[: len(data) // 2]))
         print("HALF", flush=True)
         time.sleep(60)
     os.write = half_then_hang  # the next object's write stops half way, then we get SIGKILL
-    store.write(digests[n], fmt.encode(lay, ns, torch.zeros(lay.payload_shape,
-                                                            dtype=lay.dtype)))
+    store.write(digests[n], fmt.encode(lay, digests[n], ns, torch.zeros(lay.payload_shape,
+                                                                        dtype=lay.dtype)))
 """)
 
 
@@ -137,7 +139,7 @@ def test_writer_killed_mid_write_leaves_no_partial_object(layout: BlockLayout,
     for i, data in enumerate(store.read_many(hs)):
         if i < 3:
             assert data is not None
-            assert torch.equal(fmt.decode(data, layout, NS),
+            assert torch.equal(fmt.decode(data, layout, hs[i], NS),
                                torch.full(layout.payload_shape, float(i), dtype=layout.dtype))
         else:
             assert data is None

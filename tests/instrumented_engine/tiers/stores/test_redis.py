@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import struct
 
 import torch
@@ -28,7 +29,7 @@ def test_round_trip_bit_exact(layout: BlockLayout, redis_server: RedisServer) ->
         assert remote.write(h, NS, payload(layout, i)) is None
     raw = redis_server.client().get(key(hs[0]))
     assert key(hs[0]) == b"kvscope:kv:" + hs[0].hex().encode()
-    assert raw == fmt.encode(layout, NS, payload(layout, 0))
+    assert raw == fmt.encode(layout, hs[0], NS, payload(layout, 0))
     assert remote.lookup(hs, 0) == 66 and remote.lookup(hs, 65) == 1
     assert remote.lookup(hs, 66) == 0 and remote.lookup(hs, 70) == 0
     dests = _dests(layout, 70)
@@ -41,26 +42,35 @@ def test_round_trip_bit_exact(layout: BlockLayout, redis_server: RedisServer) ->
     remote.close()
 
 
-def test_corruption_in_redis_is_detected(layout: BlockLayout, redis_server: RedisServer) -> None:
+def test_corruption_and_swaps_in_redis_are_detected(layout: BlockLayout,
+                                                    redis_server: RedisServer) -> None:
     remote = ResilientRemote(open_remote(redis_server.url), layout)
-    hs = chain(5)
+    hs = chain(7)
     for i, h in enumerate(hs):
         remote.write(h, NS, payload(layout, i))
     r = redis_server.client()
     byte = r.getrange(key(hs[1]), 500, 500)
     r.setrange(key(hs[1]), 500, bytes([byte[0] ^ 0x04]))  # flip a payload byte in place
     r.set(key(hs[2]), r.get(key(hs[2]))[:-100])  # truncated
-    r.set(key(hs[3]), fmt.encode(layout, bytes(32), payload(layout, 3)))  # wrong namespace
-    v = bytearray(r.get(key(hs[4])))  # a future format version, header re-checksummed
+    r.set(key(hs[3]), fmt.encode(layout, hs[3], bytes(32), payload(layout, 3)))  # other ns
+    v = bytearray(r.get(key(hs[4])))  # a future format version, its tag recomputed
     struct.pack_into("<H", v, 8, fmt.FORMAT_VERSION + 1)
-    struct.pack_into("<Q", v, fmt.HEADER_SIZE - 8, xxhash.xxh3_64_intdigest(bytes(v[:120])))
+    x = xxhash.xxh3_64(bytes(v[:160]))
+    x.update(bytes(v[fmt.HEADER_SIZE:]))
+    v[160:168] = x.digest()[::-1]
     r.set(key(hs[4]), bytes(v))
-    dests = _dests(layout, 5)
+    # Two valid objects exchanged between their keys, the way RENAME does it.
+    r.rename(key(hs[5]), b"kvscope:tmp")
+    r.rename(key(hs[6]), key(hs[5]))
+    r.rename(b"kvscope:tmp", key(hs[6]))
+    dests = _dests(layout, 7)
     res = remote.read_into(hs, NS, dests)
-    assert res.statuses == [None, "checksum", "checksum", "checksum", "checksum"]
+    assert res.statuses == [None, "checksum", "checksum", "mismatch", "mismatch", "mismatch",
+                            "mismatch"]
     assert {k: v for k, v in remote.stats.counters.items() if k.startswith("corrupt_")} == {
         "corrupt_checksum": 1, "corrupt_truncated": 1, "corrupt_namespace": 1,
-        "corrupt_version": 1}
+        "corrupt_version": 1, "corrupt_digest": 2}
+    assert remote.stats.outcome_counts() == {("read", "checksum"): 1, ("write", "ok"): 7}
     assert not any(d.view(torch.uint8).any() for d in dests[1:])
     remote.close()
 
@@ -79,19 +89,21 @@ def test_server_killed_mid_sequence(layout: BlockLayout, redis_server: RedisServ
             redis_server.kill()
         outcomes.append(remote.write(h, NS, payload(layout, i)))
     assert outcomes == [None] * 4 + ["error"] * 3 + ["circuit_open"]
-    assert remote.breaker.state == "open"
+    assert remote.breaker_states() == {"lookup": "closed", "read": "closed", "write": "open"}
     assert remote.stats.failures == {"error": 6, "circuit_open": 1}  # 3 ops x (1 + 1 retry)
+    # Lookups and reads have breakers of their own: they try the store, and fail.
     assert remote.lookup(hs, 0) == 0
-    assert remote.read_into(hs, NS, _dests(layout, 8)).failed_by_reason() == {"circuit_open": 8}
-    now[0] += 5_000_000_000  # cool-down over: one probe, still down
-    assert remote.lookup(hs, 0) == 0
-    assert remote.breaker.state == "open" and remote.stats.get("lookup_failed_error") == 1
+    assert remote.read_into(hs, NS, _dests(layout, 8)).failed_by_reason() == {"error": 8}
+    now[0] += 5_000_000_000  # the write breaker's cool-down is over: one probe, still down
+    assert remote.write(hs[0], NS, payload(layout, 0)) == "error"
+    assert remote.breakers["write"].state == "open"
     # The server comes back (empty: no persistence) on the same port; the next probe closes.
     redis_server.restart()
     now[0] += 5_000_000_000
-    assert remote.lookup(hs, 0) == 0 and remote.breaker.state == "closed"
-    assert remote.write(hs[0], NS, payload(layout, 0)) is None and remote.lookup(hs, 0) == 1
-    names = [e["name"] for e in rec.drain()["events"].to_pylist()]
-    assert names == ["circuit_open", "circuit_close"]
-    assert remote.breaker.state == "closed"
+    assert remote.write(hs[0], NS, payload(layout, 0)) is None
+    assert remote.breaker_states()["write"] == "closed" and remote.lookup(hs, 0) == 1
+    events = [(e["name"], json.loads(e["detail"])["op"])
+              for e in rec.drain()["events"].to_pylist()]
+    assert events == [("circuit_open", "write"), ("circuit_close", "write")]
+    assert remote.breaker_open_ns()["write"] == 10_000_000_000
     remote.close()
