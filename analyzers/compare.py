@@ -13,6 +13,7 @@ of the change it explains.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from statistics import NormalDist
@@ -29,7 +30,7 @@ from analyzers.ttft import partition
 from analyzers.ttft_summary import records
 from analyzers.units import fmt_ns
 
-__all__ = ["Comparison", "compare", "compare_frames"]
+__all__ = ["Comparison", "compare", "compare_frames", "compare_outputs"]
 
 _ROWS = (*TTFT_STAGES, "ttft")
 
@@ -67,6 +68,7 @@ class Comparison:
     basis: str
     tail: float
     level: float
+    outputs: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: ``{a, b, requests_a, requests_b, tail, level, moved_most, verdict,
@@ -83,6 +85,7 @@ class Comparison:
             "basis": self.basis,
             "stages": records(self.stages),
             "accounting": records(self.accounting),
+            "outputs": self.outputs,
         }
 
 
@@ -262,6 +265,36 @@ def _verdict(stages: pd.DataFrame, acct: pd.DataFrame, tail: float, level: float
     return basis, moved, text
 
 
+def compare_outputs(req_a: pd.DataFrame, req_b: pd.DataFrame, *, listed: int = 10
+                    ) -> dict[str, Any]:
+    """Whether the two runs produced the same output tokens, request by request (by id), from
+    the requests tables' output digests: caching, tiers and faults must change no output.
+
+    Returns:
+        ``{compared, identical, differ, differ_ids (first `listed`), only_a, only_b,
+        without_digest}``: `compared` requests are in both runs with a digest in both.
+    """
+    cols = ["request_id", "output_digest"]
+    a = req_a[cols] if "output_digest" in req_a else req_a[["request_id"]].assign(
+        output_digest=None)
+    b = req_b[cols] if "output_digest" in req_b else req_b[["request_id"]].assign(
+        output_digest=None)
+    m = a.merge(b, on="request_id", how="outer", suffixes=("_a", "_b"), indicator=True)
+    both = m["_merge"] == "both"
+    known = both & m["output_digest_a"].notna() & m["output_digest_b"].notna()
+    same = known & (m["output_digest_a"] == m["output_digest_b"])
+    differ = m.loc[known & ~same, "request_id"].astype(str).tolist()
+    return {
+        "compared": int(known.sum()),
+        "identical": int(same.sum()),
+        "differ": len(differ),
+        "differ_ids": sorted(differ)[:listed],
+        "only_a": int((m["_merge"] == "left_only").sum()),
+        "only_b": int((m["_merge"] == "right_only").sum()),
+        "without_digest": int((both & ~known).sum()),
+    }
+
+
 def _load(run: Any) -> tuple[pd.DataFrame, pd.DataFrame, str]:
     from agent.runstore.reader import RunStore, open_run
 
@@ -289,6 +322,7 @@ def compare(run_a: Any, run_b: Any, *, n_boot: int = 2000, level: float = 0.95,
     """
     req_a, spans_a, la = _load(run_a)
     req_b, spans_b, lb = _load(run_b)
-    return compare_frames(partition(req_a, spans_a), token_accounting(req_a),
+    comp = compare_frames(partition(req_a, spans_a), token_accounting(req_a),
                           partition(req_b, spans_b), token_accounting(req_b), a_label=la,
                           b_label=lb, n_boot=n_boot, level=level, tail=tail, seed=seed)
+    return dataclasses.replace(comp, outputs=compare_outputs(req_a, req_b))

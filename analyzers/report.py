@@ -77,10 +77,13 @@ def build_report(store: Any, *, diagnose: bool = True, by: str | None = None,
     if diagnose:
         diag = diagnose_report(req, spans, layers=store.layers, samples=store.samples,
                                events=store.events, run_config=meta.get("config"), part=part)
+    writer = getattr(store, "writer", None)
     run = {
         "path": str(store.path),
         "run_id": meta.get("run_id"),
-        "status": meta.get("status"),
+        "status": meta.get("status") if writer is None else writer.status,
+        "state": meta.get("status") if writer is None else writer.describe(),
+        "missing_requests": None if writer is None else writer.missing,
         "schema_version": meta.get("schema_version"),
         "model": _model_name(meta.get("config") or {}),
         "requests": len(req),
@@ -171,7 +174,7 @@ def render_doc(report: Report, *, markdown: bool = False) -> str:
     r, s, a = report.run, report.ttft, report.accounting
     title = f"kvscope analyze: {r['path']}"
     out.append(f"# {title}" if markdown else title)
-    out.append(f"run {r['run_id']} ({r['status']}), model {r['model'] or '-'}; "
+    out.append(f"run {r['run_id']} ({r['state']}), model {r['model'] or '-'}; "
                f"{r['requests']:,} requests: {s.requests:,} with a first token, "
                f"{s.without_first_token:,} without (left out of TTFT), {s.derived:,} derived "
                f"from activity spans")
@@ -360,7 +363,29 @@ def render_comparison(comp: Any, fmt: str) -> str:
     table(Table(["ratio", "A", "B", "change"], rows, align="lrrr"))
     if len(acct) > len(moved):
         out.append(f"{len(acct) - len(moved)} other ratios unchanged (all in --format json)")
+    if comp.outputs is not None:
+        head("Outputs: B vs A")
+        out.extend(_outputs_lines(comp.outputs))
     return "\n".join(out) + "\n"
+
+
+def _outputs_lines(o: dict[str, Any]) -> list[str]:
+    """Whether the runs' output tokens agree, request by request (by digest)."""
+    lines = []
+    if o["compared"]:
+        verb = "identical" if o["differ"] == 0 else "compared"
+        lines.append(f"{o['identical']:,} / {o['compared']:,} requests in both runs "
+                     f"({verb}) produced the same output tokens (by digest)")
+    if o["differ"]:
+        more = f" and {o['differ'] - len(o['differ_ids'])} more" if o["differ"] > len(
+            o["differ_ids"]) else ""
+        lines.append(f"{o['differ']:,} differ: {', '.join(o['differ_ids'])}{more}")
+    if o["without_digest"]:
+        lines.append(f"{o['without_digest']:,} requests in both runs have no output digest in "
+                     "one of them (a schema-1 store, or no output token)")
+    if o["only_a"] or o["only_b"]:
+        lines.append(f"{o['only_a']:,} requests only in A, {o['only_b']:,} only in B")
+    return lines or ["no request is in both runs"]
 
 
 def _ratio_text(row: Any, side: str) -> str:

@@ -123,6 +123,9 @@ class RunOptions:
                             hi=65535)
     listen_address: str = opt("127.0.0.1", "--listen-address",
                               "Address /metrics binds (0.0.0.0 opens it).")
+    metrics_linger: float = opt(0.0, "--metrics-linger", "Seconds to keep serving the final "
+                                "/metrics after the run, so a last scrape sees the final "
+                                "counters.", lo=0, hi=3600)
     profile: bool = opt(False, "--profile",
                         "Write a PyTorch profiler trace into the run directory.")
     threads: int = opt(0, "--threads", "torch CPU threads; 0 = half the cores, at most 4.",

@@ -59,6 +59,8 @@ class RunSummary:
     remote_loaded_tokens: int = 0
     load_failed_tokens: int = 0
     tiers: bool = False
+    #: Per remote operation kind: (times its breaker opened, seconds it spent open).
+    breakers: dict[str, tuple[int, float]] | None = None
 
     def lines(self) -> list[str]:
         share = self.reused_tokens / self.lookup_tokens * 100 if self.lookup_tokens else 0.0
@@ -75,12 +77,22 @@ class RunSummary:
             *([f"tiers        host loaded {self.host_loaded_tokens:,}, remote loaded "
                f"{self.remote_loaded_tokens:,}, load failed {self.load_failed_tokens:,} "
                f"prompt tokens"] if self.tiers else []),
+            *([self._breaker_line()] if self.breakers else []),
             f"run store    {self.out}",
         ]
 
+    def _breaker_line(self) -> str:
+        assert self.breakers is not None
+        opened = [(op, n, s) for op, (n, s) in self.breakers.items() if n]
+        if not opened:
+            return "breakers     never opened (lookup, read, write)"
+        parts = [f"{op} opened {n:,}x, open {s:,.1f} s" for op, n, s in opened]
+        return "breakers     " + "; ".join(parts)
+
 
 def summarise(outputs: list[RequestOutput], requests: int, result: RunResult, out: Path,
-              metrics_url: str | None, *, tiers: bool = False) -> RunSummary:
+              metrics_url: str | None, *, tiers: bool = False, remote: Any = None
+              ) -> RunSummary:
     """The summary of a run from its outputs (TTFT percentiles over requests with a first
     token; token shares with their denominators)."""
     ttft = np.array([o.ttft_ns for o in outputs if o.first_token_ns >= 0], dtype=np.float64)
@@ -105,6 +117,8 @@ def summarise(outputs: list[RequestOutput], requests: int, result: RunResult, ou
         remote_loaded_tokens=sum(a.remote_loaded_tokens for a in acc),
         load_failed_tokens=sum(a.load_failed_tokens for a in acc),
         tiers=tiers,
+        breakers=None if remote is None else {
+            op: (b.opened, b.open_time_ns() / 1e9) for op, b in remote.breakers.items()},
     )
 
 
@@ -226,13 +240,17 @@ def _profiler(enabled: bool, recorder: Any, out: Path) -> Iterator[None]:
 
 
 def run_session(opts: RunOptions, *, on_start: Callable[[int, str | None], None] | None = None,
-                on_finished: Callable[[RequestOutput], None] | None = None) -> RunSummary:
+                on_finished: Callable[[RequestOutput], None] | None = None,
+                metrics_server: str = "process") -> RunSummary:
     """Run one workload against a fresh engine, exporting telemetry; returns the summary.
 
     Args:
         opts: the options.
         on_start: called with (number of requests, metrics URL or None) once running.
         on_finished: called with each finished request (progress display).
+        metrics_server: `process` (the default: /metrics from a child process serving
+            snapshots, so scrapes cost the engine nothing) or `thread` (prometheus-client's
+            server in this process; kept to measure what that costs).
 
     Raises:
         InputError: a bad option, workload file or checkpoint (one line, naming it).
@@ -247,6 +265,7 @@ def run_session(opts: RunOptions, *, on_start: Callable[[int, str | None], None]
     from agent.exporters.pipeline import TelemetryPipeline
     from agent.exporters.prometheus import PrometheusExporter, serve_metrics
     from agent.exporters.runstore import RunStoreSink
+    from agent.exporters.snapshot import SnapshotServer
     from agent.runstore import RunStoreWriter
     from agent.telemetry import Recorder
     from instrumented_engine.driver import RealTimeDriver
@@ -303,11 +322,15 @@ def run_session(opts: RunOptions, *, on_start: Callable[[int, str | None], None]
     }
     run_id = uuid.uuid4().hex[:12]
     prom = PrometheusExporter(recorder, model=cfg.model.model_id, run_id=run_id)
-    server = None
+    server: Any = None
     if opts.metrics_port:
         try:
-            server = serve_metrics(prom.registry, port=opts.metrics_port,
-                                   address=opts.listen_address)
+            if metrics_server == "process":
+                server = SnapshotServer(prom.registry, port=opts.metrics_port,
+                                        address=opts.listen_address)
+            else:  # in this process, on prometheus-client's server (costs the engine GIL time)
+                server = serve_metrics(prom.registry, port=opts.metrics_port,
+                                       address=opts.listen_address)
         except OSError as exc:
             raise InputError(f"--metrics-port {opts.metrics_port}: cannot listen on "
                              f"{opts.listen_address} ({exc.strerror or exc}); pick another "
@@ -339,12 +362,17 @@ def run_session(opts: RunOptions, *, on_start: Callable[[int, str | None], None]
             sink.status = ("error" if result is None
                            else "aborted" if result.interrupted else "complete")
             pipe.close()
+        assert result is not None
+        summary = summarise(result.outputs, len(arrivals), result, opts.out, url,
+                            tiers=tiers.active, remote=engine.flow.remote if engine.flow
+                            else None)
+        writer.update_meta(summary=dataclasses.asdict(summary),
+                           profile=PROFILE_TRACE if opts.profile else None)
     finally:
-        if server is not None:
+        if isinstance(server, SnapshotServer):
+            # The final values (the last requests, the flushed writes) stay scrapeable for
+            # --metrics-linger seconds.
+            server.shutdown(linger_s=opts.metrics_linger if result is not None else 0.0)
+        elif server is not None:
             server.shutdown()
-    assert result is not None
-    summary = summarise(result.outputs, len(arrivals), result, opts.out, url,
-                        tiers=tiers.active)
-    writer.update_meta(summary=dataclasses.asdict(summary),
-                       profile=PROFILE_TRACE if opts.profile else None)
     return summary

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -68,6 +69,87 @@ class RunStore:
     @property
     def complete(self) -> bool:
         return self.meta.get("status") == "complete" and not self.gaps
+
+    @property
+    def writer(self) -> WriterState:
+        """Whether the process writing the run is still at it (see `writer_state`)."""
+        return writer_state(self.meta, len(self.tables["requests"]))
+
+
+@dataclass(slots=True, frozen=True)
+class WriterState:
+    """What became of the process that wrote a run.
+
+    Attributes:
+        status: run.json's `status` (`complete`, `aborted`, `error`, `running`, ...), or
+            `killed` when it says `running` but its writer is gone (SIGKILL, OOM, power).
+        pid: the writer's process id (None when run.json does not say).
+        planned: requests the run meant to serve (`config.workload.num_requests`), if known.
+        recorded: requests in the store.
+    """
+
+    status: str
+    pid: int | None
+    planned: int | None
+    recorded: int
+
+    @property
+    def missing(self) -> int | None:
+        """Planned requests the store does not hold."""
+        return None if self.planned is None else max(self.planned - self.recorded, 0)
+
+    def describe(self) -> str:
+        """The run's state for a report line, e.g. `killed: its writer (pid 12) is gone; 12 of
+        30 planned requests missing`."""
+        if self.status != "killed":
+            return self.status
+        miss = ("" if self.missing is None
+                else f"; {self.missing:,} of {self.planned:,} planned requests missing")
+        return f"killed: its writer (pid {self.pid}) is gone{miss}"
+
+
+def writer_state(meta: dict[str, Any], recorded: int) -> WriterState:
+    """`WriterState` of a run from its run.json and how many requests its store holds.
+
+    A run whose run.json still says `running` was killed when its writer's pid does not exist
+    on this host, or exists but started after the run was created (the pid was reused). On
+    another host nothing can be said and the status stays `running`.
+    """
+    status = str(meta.get("status") or "unknown")
+    clock = meta.get("clock") if isinstance(meta.get("clock"), dict) else {}
+    pid = clock.get("pid") if isinstance(clock.get("pid"), int) else None
+    cfg = meta.get("config") if isinstance(meta.get("config"), dict) else {}
+    wl = cfg.get("workload") if isinstance(cfg.get("workload"), dict) else {}
+    planned = wl.get("num_requests") if isinstance(wl.get("num_requests"), int) else None
+    host = meta.get("host") if isinstance(meta.get("host"), dict) else {}
+    if (status == "running" and pid is not None and pid > 0
+            and host.get("hostname") == socket.gethostname()
+            and not _alive_since(pid, meta.get("created_ns"))):
+        status = "killed"
+    return WriterState(status, pid, planned, recorded)
+
+
+def _alive_since(pid: int, created_ns: Any) -> bool:
+    """Whether `pid` is a live process that started before `created_ns` (epoch ns)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's: alive
+        pass
+    if not isinstance(created_ns, int):
+        return True
+    try:  # Linux: field 22 of /proc/<pid>/stat is its start in clock ticks since boot
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text()
+                    .splitlines() if line.startswith("btime "))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return True
+    # A process that started after the run was created (1 s of slack) is another one.
+    return (boot + started) * 1e9 <= created_ns + 1e9
 
 
 def to_pandas(table: pa.Table, schema: pa.Schema) -> pd.DataFrame:

@@ -129,6 +129,10 @@ class RunStoreWriter:
         anchor: the clock anchor of the writing process.
         overwrite: allow writing into a directory that already holds a run (new parts continue
             the existing sequence numbers; nothing already written is removed).
+        resume: continue a run this kind of writer left behind (a restarted `kvscope agent`
+            on its own directory): its run id, row counts and part numbers carry on, and
+            run.json's `restarts` records this process. Refused while the run's writer is
+            still alive, or when the run was written by another producer or schema version.
         compression: Parquet codec.
     """
 
@@ -140,6 +144,7 @@ class RunStoreWriter:
         run_id: str | None = None,
         anchor: ClockAnchor | None = None,
         overwrite: bool = False,
+        resume: bool = False,
         compression: str = "zstd",
     ) -> None:
         from agent import __version__
@@ -147,9 +152,13 @@ class RunStoreWriter:
         self.path = Path(path)
         if self.path.exists() and not self.path.is_dir():
             raise InputError(f"{self.path}: exists and is not a directory")
-        if (self.path / "run.json").exists() and not overwrite:
-            raise InputError(f"{self.path}: already holds a run (run.json exists); choose another "
-                             "--out or remove it")
+        previous = None
+        if (self.path / "run.json").exists():
+            if resume:
+                previous = self._resumable(config or {})
+            elif not overwrite:
+                raise InputError(f"{self.path}: already holds a run (run.json exists); choose "
+                                 "another --out or remove it")
         self.path.mkdir(parents=True, exist_ok=True)
         self.compression = compression
         self.anchor = anchor or process_anchor()
@@ -176,8 +185,26 @@ class RunStoreWriter:
             "host": host_info(),
             "rows": self._rows,
         }
+        if previous is not None:
+            # Carry on the run: its identity and start stay; this process is the writer now
+            # (clock.pid) and joins the list of restarts. Row counts come from the parts on
+            # disk: a killed writer never wrote its last counts into run.json.
+            for t in TABLES:
+                self._rows[t] = sum(n for _, _, _, _, n in self._part_rows(t))
+            restarts = list(previous.get("restarts") or [])
+            restarts.append({"pid": os.getpid(), "start_ns": self.anchor.wall_ns,
+                             "previous_status": previous.get("status")})
+            self.meta.update(run_id=previous["run_id"], created_ns=previous.get("created_ns"),
+                             start_ns=previous.get("start_ns"), restarts=restarts)
+            for k in ("pruned_parts",):
+                if k in previous:
+                    self.meta[k] = previous[k]
         self._write_meta()
         self.closed = False
+
+    def _resumable(self, config: dict[str, Any]) -> dict[str, Any]:
+        return check_resumable(self.path, config)
+
 
     def _write_meta(self) -> None:
         atomic_write_bytes(self.path / "run.json",
@@ -231,6 +258,17 @@ class RunStoreWriter:
         self._write_meta()
         self.closed = True
 
+    def _part_rows(self, table: str) -> list[tuple[int, int, int, Path, int]]:
+        """`_parts` of one table, each with its row count (from the Parquet footer)."""
+        out = []
+        for mtime, seq, size, p in self._parts((table,)):
+            try:
+                n = pq.read_metadata(p).num_rows
+            except (OSError, pa.ArrowException):
+                n = 0  # unreadable: the reader will name it
+            out.append((mtime, seq, size, p, n))
+        return out
+
     def _parts(self, tables: tuple[str, ...]) -> list[tuple[int, int, int, Path]]:
         """(mtime_ns, seq, size, path) of the published parts of `tables`."""
         out = []
@@ -276,3 +314,26 @@ class RunStoreWriter:
             total -= size
             deleted += 1
         return deleted
+
+
+def check_resumable(path: str | os.PathLike[str], config: dict[str, Any]) -> dict[str, Any]:
+    """run.json of the run in `path` that a writer of `config`'s producer may continue, or
+    InputError saying why it cannot be (so a daemon can refuse before it binds anything)."""
+    from agent.runstore.reader import read_meta, writer_state
+
+    path = Path(path)
+    meta = read_meta(path)
+    where = path / "run.json"
+    if meta.get("schema_version") != SCHEMA_VERSION:
+        raise InputError(f"{where}: schema version {meta.get('schema_version')} cannot be "
+                         f"continued by this kvscope (writes {SCHEMA_VERSION}); choose "
+                         "another --out")
+    producer = (meta.get("config") or {}).get("producer")
+    if producer != config.get("producer"):
+        raise InputError(f"{where}: written by {producer or 'another producer'}, not "
+                         f"{config.get('producer')}; choose another --out")
+    state = writer_state(meta, 0)
+    if meta.get("status") == "running" and state.status == "running":
+        raise InputError(f"{where}: still being written by pid {state.pid}; stop it or "
+                         "choose another --out")
+    return meta

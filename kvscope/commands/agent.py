@@ -50,8 +50,9 @@ def agent(
     max_disk_bytes: str = typer.Option("1GiB", "--max-disk-bytes",
                                        help="Disk bound of the run store; the oldest parts "
                                             "are deleted beyond it ('none' = unbounded)."),
-    flush_interval: float = typer.Option(30.0, "--flush-interval",
-                                         help="Seconds between run-store parts."),
+    flush_interval: float = typer.Option(5.0, "--flush-interval",
+                                         help="Seconds between run-store parts: what a crash "
+                                              "can lose at most."),
     otlp_endpoint: str | None = typer.Option(None, "--otlp-endpoint",
                                              help="OTLP/HTTP metrics endpoint, e.g. "
                                                   "http://127.0.0.1:4318/v1/metrics."),
@@ -86,6 +87,12 @@ def agent(
         sys_root=sys_root, proc_root=proc_root, watch=parse_watch(watch_pid),
         disable=tuple(disable),
     )
+    if out is not None and (out / "run.json").exists():
+        # Refuse a directory another agent is still writing before anything starts.
+        from agent.runstore.writer import check_resumable
+        from kvscope.node.daemon import PRODUCER
+
+        check_resumable(out, {"producer": PRODUCER})
     from kvscope.node.daemon import NodeAgent
 
     node = NodeAgent(config)

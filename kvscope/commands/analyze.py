@@ -55,7 +55,10 @@ def analyze(
     else:
         store = open_run(run)
         if not len(store.requests):
-            raise InputError(f"{run / 'requests'}: no requests recorded (nothing to analyze)")
+            state = store.writer
+            why = "" if state.status != "killed" else f"; the run was {state.describe()}"
+            raise InputError(f"{run / 'requests'}: no requests recorded (nothing to "
+                             f"analyze){why}")
         text = render(build_report(store, by=by, window_ns=window_ns), fmt)
     if output is None:
         typer.echo(text, nl=False)

@@ -42,7 +42,7 @@ class AgentConfig:
     interval_s: float = 1.0
     out: str | None = None
     max_disk_bytes: int | None = 1 << 30
-    flush_interval_s: float = 30.0
+    flush_interval_s: float = 5.0
     max_pending_samples: int = 1_000_000
     otlp_endpoint: str | None = None
     otlp_interval_s: float = 15.0

@@ -14,13 +14,14 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from agent.errors import InputError
 from agent.exporters.http import MetricsServer
-from agent.runstore import RunStoreWriter
+from agent.runstore.writer import RunStoreWriter, check_resumable
 from collectors.base import BaseCollector, Collection
 from collectors.exposition import CONTENT_TYPE, CollectorExposition, TextRenderer
 from collectors.runner import CollectorRunner, default_collectors
@@ -28,6 +29,8 @@ from kvscope.node.config import SELF_PROCESS, AgentConfig
 from kvscope.node.store import StoreSink
 
 log = logging.getLogger(__name__)
+#: run.json `config.producer` of an agent's run store (a restart resumes only its own).
+PRODUCER = "kvscope agent"
 
 
 class NodeAgent:
@@ -65,7 +68,7 @@ class NodeAgent:
     def _run_config(self) -> dict[str, Any]:
         c = self.config
         return {
-            "producer": "kvscope agent",
+            "producer": PRODUCER,
             "interval_s": c.interval_s,
             "collectors": [x.name for x in self.collectors],
             "unavailable": {x.name: x.unavailable_reason for x in self.collectors
@@ -87,7 +90,9 @@ class NodeAgent:
         c = self.config
         if c.out is None or self.writer is not None:
             return
-        self.writer = RunStoreWriter(c.out, config=self._run_config())
+        # A restarted agent carries on its own run (part numbers continue, run.json lists the
+        # restart), so a crash costs at most one flush interval of samples.
+        self.writer = RunStoreWriter(c.out, config=self._run_config(), resume=True)
         self.sink = StoreSink(self.writer, max_pending_samples=c.max_pending_samples,
                               max_disk_bytes=c.max_disk_bytes, on_dropped=self.runner.count_dropped)
 
@@ -103,6 +108,9 @@ class NodeAgent:
     def start(self) -> None:
         """Bind /metrics, start the collectors and the OTLP exporter."""
         c = self.config
+        if c.out is not None and (Path(c.out) / "run.json").exists():
+            # Refuse a directory another agent is writing before binding anything.
+            check_resumable(c.out, self._run_config())
         try:
             self.httpd = MetricsServer(c.listen_address, c.port, self.render, CONTENT_TYPE)
         except OSError as exc:

@@ -15,7 +15,7 @@ import pyarrow.compute as pc
 import pytest
 
 from agent.schema import TABLES, TTFT_STAGES
-from agent.telemetry import Recorder, check_partition
+from agent.telemetry import Recorder, check_partition, output_digest
 from instrumented_engine.engine import LLMEngine
 from tests.instrumented_engine.helpers import tiny_config, tokens
 
@@ -229,3 +229,15 @@ def test_only_the_lifecycle_writes_a_requests_state_and_accounting() -> None:
         bad)
     # The check sees what it must: the lifecycle itself writes both.
     assert _writes_to_request_state(root / "lifecycle.py")
+
+
+def test_the_requests_table_carries_each_outputs_digest_and_ids_on_request() -> None:
+    for record_ids in (False, True):
+        rec = Recorder()
+        eng = LLMEngine(tiny_config(), recorder=rec, record_output_ids=record_ids)
+        outs = eng.generate([tokens(1, 30), tokens(2, 50)], 4)
+        rows = {r["request_id"]: r for r in rec.drain()["requests"].to_pylist()}
+        for o in outs:
+            assert rows[o.request_id]["output_digest"] == output_digest(o.output_token_ids)
+            assert rows[o.request_id]["output_token_ids"] == (
+                o.output_token_ids if record_ids else None)

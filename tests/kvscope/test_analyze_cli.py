@@ -123,3 +123,55 @@ def test_console_script_prints_no_traceback(run_copy: Path) -> None:
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.startswith("kvscope: error: ") and proc.stderr.count("\n") == 1
     assert str(part) in proc.stderr
+
+
+def _killed(run: Path, planned: int) -> int:
+    """Make `run` look like a run whose writer was SIGKILLed mid-run: run.json still says
+    running, and names a pid that no longer exists on this host."""
+    import socket
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    meta = json.loads((run / "run.json").read_text())
+    meta.update(status="running", end_ns=None)
+    meta["clock"]["pid"] = dead.pid
+    meta["host"]["hostname"] = socket.gethostname()
+    meta["config"]["workload"] = {"name": "docqa", "num_requests": planned}
+    (run / "run.json").write_text(json.dumps(meta))
+    return dead.pid
+
+
+def test_a_killed_run_is_said_to_be_killed_with_the_requests_it_lacks(
+        run_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pid = _killed(run_copy, planned=15)
+    code, out, err = _run(["analyze", str(run_copy)], capsys)
+    assert (code, err) == (0, "")
+    assert (f"(killed: its writer (pid {pid}) is gone; 5 of 15 planned requests missing)"
+            in out.splitlines()[1])
+    code, out, _ = _run(["analyze", str(run_copy), "--format", "json"], capsys)
+    run = json.loads(out)["run"]
+    assert (run["status"], run["missing_requests"]) == ("killed", 5)
+    # Killed before any request finished: the error says so.
+    shutil.rmtree(run_copy / "requests")
+    code, out, err = _run(["analyze", str(run_copy)], capsys)
+    _assert_one_line_error(code, out, err, "no requests recorded",
+                           f"the run was killed: its writer (pid {pid}) is gone; 15 of 15")
+
+
+def test_compare_says_whether_outputs_are_the_same(run_copy: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(["compare", str(GOLDEN_RUN), str(run_copy)], capsys)
+    assert code == 0
+    assert "9 / 9 requests in both runs (identical) produced the same output tokens" in out
+    assert "1 requests in both runs have no output digest" in out  # req-error: no output
+    # One request's output changed.
+    part = next((run_copy / "requests").glob("part-*.parquet"))
+    t = pq.read_table(part)
+    d = t["output_digest"].to_pylist()
+    d[0] = "0" * 32
+    pq.write_table(t.set_column(t.schema.get_field_index("output_digest"), "output_digest",
+                                pa.array(d, pa.string())), part)
+    code, out, _ = _run(["compare", str(GOLDEN_RUN), str(run_copy), "--format", "json"], capsys)
+    outputs = json.loads(out)["outputs"]
+    assert outputs["differ"] == 1 and outputs["differ_ids"] == [t["request_id"][0].as_py()]
+    assert outputs["identical"] == 8 and outputs["compared"] == 9

@@ -104,6 +104,74 @@ def test_agent_process_serves_promtool_clean_metrics_and_exits_0_on_sigterm(tmp_
         assert "nvml" in {json.loads(d)["collector"] for d in unavailable["detail"]}
 
 
+def _start_agent(out: Path, port: int, flush: str = "0.2") -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvscope.cli", "agent", "--port", str(port), "--interval", "0.1",
+         "--out", str(out), "--flush-interval", flush, "--disable", "nvml"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_parts(out: Path, n: int) -> None:
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        if len(list((out / "samples").glob("part-*.parquet"))) >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"fewer than {n} sample parts in {out}")
+
+
+def test_a_killed_agent_resumes_into_its_own_run_store(tmp_path):
+    """SIGKILL (no shutdown, no flush): a restarted agent carries on the same run — its id,
+    its part numbering — and run.json records the restart; a crash lost at most one flush."""
+    out, port = tmp_path / "run", free_port()
+    first = _start_agent(out, port)
+    try:
+        _wait_for_parts(out, 2)
+        first.kill()
+        first.wait(30)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    killed = open_run(out)
+    assert killed.writer.status == "killed"
+    parts_before = max(killed.parts["samples"])
+    second = _start_agent(out, port)
+    try:
+        _wait_for_parts(out, parts_before + 3)
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(30) == 0, second.stderr.read()
+    finally:
+        if second.poll() is None:
+            second.kill()
+    run = open_run(out)
+    assert run.meta["run_id"] == killed.meta["run_id"] and run.meta["status"] == "complete"
+    assert [r["pid"] for r in run.meta["restarts"]] == [second.pid]
+    assert run.meta["restarts"][0]["previous_status"] == "running"
+    seqs = run.parts["samples"]
+    assert seqs == list(range(seqs[0], seqs[-1] + 1)) and seqs[-1] > parts_before
+    assert run.meta["rows"]["samples"] == len(run.samples) and run.gaps == []
+
+
+def test_a_live_agents_directory_is_refused(tmp_path):
+    out, port = tmp_path / "run", free_port()
+    first = _start_agent(out, port)
+    try:
+        _wait_for_parts(out, 1)
+        res = subprocess.run(
+            [sys.executable, "-m", "kvscope.cli", "agent", "--port", str(free_port()),
+             "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert res.returncode == 2
+        assert res.stderr.startswith("kvscope: error: ") and "still being written by pid" in (
+            res.stderr) and res.stderr.count("\n") == 1, res.stderr
+    finally:
+        first.kill()
+        first.wait(30)
+
+
+def test_the_default_flush_interval_bounds_what_a_crash_loses():
+    assert AgentConfig().flush_interval_s == 5.0
+
+
 _NO_HEAVY = r"""
 import json, os, signal, socket, sys, threading, time
 port = int(sys.argv[1])

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -94,9 +95,16 @@ def test_metrics_are_served_while_running(tmp_path: Path) -> None:
     scraped: list[str] = []
 
     def scrape(_out: object) -> None:  # on the engine thread, after a request finished
-        if not scraped:
+        # The server sends the latest snapshot (rendered once a second off the engine loop):
+        # poll until one taken after the first step arrives.
+        deadline = time.monotonic() + 20
+        while not scraped and time.monotonic() < deadline:
             with urllib.request.urlopen(urls[0], timeout=10) as resp:
-                scraped.append(resp.read().decode())
+                text = resp.read().decode()
+            if "kvscope_block_pool_blocks{" in text:
+                scraped.append(text)
+            else:
+                time.sleep(0.1)
 
     opts = RunOptions(workload="chat", num_requests=5, rate=0, model="tiny",
                       out=tmp_path / "run", metrics_port=port, threads=1, collectors=False)
@@ -155,6 +163,10 @@ def test_profile_writes_a_trace_with_kvscope_ranges(tmp_path: Path) -> None:
     (["--remote", "file:///tmp/r", "--fault", "remote-latency"], "expected NAME=VALUE"),
     (["--remote", "file:///tmp/r", "--fault", "remote-error-rate=2"], "must be in [0, 1]"),
     (["--fault", "remote-latency=5ms"], "need a remote tier (--remote URL)"),
+    (["--remote", "redis://127.0.0.1:1/0"], "--remote redis://127.0.0.1:1/0: redis: "),
+    (["--remote", "file:///proc/kvscope-cannot-be-here"], "--remote file:///proc/"),
+    (["--remote", "file:///tmp/r", "--remote-key-file", "/nonexistent/key"],
+     "--remote-key-file /nonexistent/key: cannot read the remote key"),
 ])
 def test_bad_options_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                          args: list[str], message: str) -> None:

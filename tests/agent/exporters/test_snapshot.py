@@ -1,0 +1,120 @@
+"""/metrics from a child process serving snapshots: what a scrape sees, content negotiation,
+a burst of scrapers, and a child that never outlives its engine."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter
+
+from agent.exporters.http import BACKLOG
+from agent.exporters.snapshot import SnapshotServer
+from tests.conftest import REPO, free_port
+
+
+def _get(url: str, **headers: str) -> tuple[bytes, dict[str, str]]:
+    req = urllib.request.Request(url, headers=headers)
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return resp.read(), dict(resp.headers)
+
+
+def test_scrapes_see_the_latest_snapshot_in_both_formats() -> None:
+    reg = CollectorRegistry()
+    c = Counter("kvscope_demo", "A counter.", registry=reg)
+    srv = SnapshotServer(reg, interval_s=0.05)
+    try:
+        assert srv._proc.pid != os.getpid()  # served by another process
+        body, head = _get(srv.url)
+        assert b"kvscope_demo_total 0.0" in body and head["Content-Type"].startswith("text/plain")
+        c.inc(3)
+        deadline = time.monotonic() + 10
+        while b"kvscope_demo_total 3.0" not in body and time.monotonic() < deadline:
+            time.sleep(0.02)
+            body, _ = _get(srv.url)
+        assert b"kvscope_demo_total 3.0" in body  # within a render interval
+        om, head = _get(srv.url, Accept="application/openmetrics-text; version=1.0.0")
+        assert head["Content-Type"].startswith("application/openmetrics-text")
+        assert om.rstrip().endswith(b"# EOF")
+        gz, head = _get(srv.url, **{"Accept-Encoding": "gzip"})
+        assert head["Content-Encoding"] == "gzip" and gzip.decompress(gz) == body
+    finally:
+        srv.shutdown()
+    assert srv._proc.returncode == 0 and not srv.dir.exists()
+    with pytest.raises(OSError):
+        _get(srv.url)
+
+
+def test_a_burst_of_scrapers_is_queued_not_refused() -> None:
+    srv = SnapshotServer(CollectorRegistry(), interval_s=1.0)
+    try:
+        # More simultaneous connects than the stdlib's default backlog of 5: every one is
+        # accepted and answered.
+        socks = [socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+                 for _ in range(min(BACKLOG, 64))]
+        for s in socks:
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        answers = [s.recv(12) for s in socks]
+        assert answers == [b"HTTP/1.1 200"] * len(socks)
+        for s in socks:
+            s.close()
+    finally:
+        srv.shutdown()
+
+
+def test_the_final_values_linger_then_the_child_exits() -> None:
+    reg = CollectorRegistry()
+    c = Counter("kvscope_final", "A counter.", registry=reg)
+    srv = SnapshotServer(reg, interval_s=30.0)  # no periodic render before the end
+    c.inc(7)
+    seen: list[bytes] = []
+    t = threading.Thread(target=srv.shutdown, kwargs={"linger_s": 1.5})
+    t.start()
+    deadline = time.monotonic() + 10
+    while not seen and time.monotonic() < deadline:
+        body, _ = _get(srv.url)
+        if b"kvscope_final_total 7.0" in body:
+            seen.append(body)
+    t.join(10)
+    assert seen, "the final counter value was never scrapeable"
+    assert srv._proc.returncode == 0
+
+
+def test_a_port_in_use_is_an_os_error_naming_it() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        with pytest.raises(OSError, match="in use"):
+            SnapshotServer(CollectorRegistry(), port=s.getsockname()[1])
+
+
+def test_the_child_exits_when_its_parent_dies() -> None:
+    port = free_port()
+    code = ("import time\nfrom prometheus_client import CollectorRegistry\n"
+            "from agent.exporters.snapshot import SnapshotServer\n"
+            f"srv = SnapshotServer(CollectorRegistry(), port={port})\n"
+            "print(srv._proc.pid, flush=True)\ntime.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    assert _get(f"http://127.0.0.1:{port}/metrics")[0] is not None
+    parent.kill()
+    parent.wait(10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(child, 9)
+        pytest.fail("the /metrics child outlived its engine")
