@@ -18,7 +18,9 @@ import pyarrow as pa
 #: Bumped on any incompatible change to a table schema or run.json. Readers accept
 #: `READABLE_SCHEMA_VERSIONS` (older stores are upgraded on read) and refuse any other.
 SCHEMA_VERSION = 2
-#: 1: the first release. 2: `load_failed_mismatch_tokens`, `output_digest`, `output_token_ids`.
+#: 1: the first release. 2: requests gain `load_failed_mismatch_tokens`, `host_found_tokens`,
+#: `remote_found_tokens`, `preempted_loaded_tokens`, `output_digest`, `output_token_ids`, and
+#: `lookup_tokens` becomes block-aligned; spans gain `block` and `ledger` rows.
 READABLE_SCHEMA_VERSIONS: tuple[int, ...] = (1, 2)
 
 # --------------------------------------------------------------------------------------------
@@ -38,7 +40,12 @@ STAGE_PRIORITY: tuple[str, ...] = (
     "prefill", "sync", "h2d", "queue", "remote_read", "lookup", "other",
 )
 
-SPAN_KINDS: tuple[str, ...] = ("state", "activity", "step")
+#: `ledger` rows record the physical operations behind a request's accounting (each lookup,
+#: load, failure, computed chunk and write, with its tier, tokens, bytes and chain position), so
+#: the accounting can be recomputed from them (analyzers.consistency).
+SPAN_KINDS: tuple[str, ...] = ("state", "activity", "step", "ledger")
+#: Names of ledger rows; `failed_<reason>` for each of LOAD_FAIL_REASONS.
+LEDGER_OPS: tuple[str, ...] = ("lookup", "device_hit", "load", "compute", "preempted", "write")
 STEP_PHASES: tuple[str, ...] = ("schedule", "prepare", "forward", "sample")
 TIERS: tuple[str, ...] = ("device", "host", "remote")
 STATUSES: tuple[str, ...] = ("ok", "error", "aborted")
@@ -93,10 +100,13 @@ TOKEN_COLUMNS: tuple[str, ...] = (
     "device_hit_tokens",
     "host_hit_tokens",
     "remote_hit_tokens",
+    "host_found_tokens",
+    "remote_found_tokens",
     "host_loaded_tokens",
     "remote_loaded_tokens",
     "recomputed_tokens",
     "preempted_tokens",
+    "preempted_loaded_tokens",
     "load_failed_tokens",
     *(f"load_failed_{r}_tokens" for r in LOAD_FAIL_REASONS),
 )
@@ -145,6 +155,7 @@ SPANS_SCHEMA = pa.schema(
         pa.field("waits_on", pa.list_(_I64)),
         pa.field("clock", _STR, nullable=False),
         pa.field("batch_requests", _I32),  # step spans: requests in the batch
+        pa.field("block", _I32),  # ledger rows: the first chain position (block index) covered
     ]
 )
 
@@ -284,8 +295,12 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvscope_generation_tokens_total", "counter", "tokens", (_M,),
                "Output tokens of finished requests."),
     MetricSpec("kvscope_lookup_tokens_total", "counter", "tokens", (_M,),
-               "Prompt tokens in full blocks, capped at prompt_tokens - 1: the denominator of "
-               "every KV hit ratio."),
+               "Per request the largest multiple of the block size that is <= prompt_tokens "
+               "- 1 (the most a prefix cache can supply): the denominator of every KV hit "
+               "ratio, so a prompt whose every reachable block hit counts 100 %. Changed in "
+               "run-store schema 2 (before: full-block tokens capped at prompt_tokens - 1, "
+               "which counted a fully cached multiple-of-the-block prompt below 100 %). Unlike "
+               "vLLM's prefix_cache_queries, which counts every prompt token."),
     MetricSpec("kvscope_prompt_tokens_by_source_total", "counter", "tokens", (_M, "source"),
                "Prompt tokens by where their KV came from (device_hit, host_loaded, "
                "remote_loaded, recomputed); the sources sum to kvscope_prompt_tokens_total."),

@@ -5,8 +5,8 @@ ratio carried as numerator / denominator (unit), never as a bare percentage.
 The population is the requests that produced a first token (the identity
 ``prompt = device_hit + host_loaded + remote_loaded + recomputed`` is defined for them);
 requests that failed before it are counted apart. Also here: the per-layer table, the identity
-check that names offending requests, and the run's measured prefill rate with the prefill time
-that reuse saved (`prefill_rate` is what ``kvscope plan --from-run`` uses).
+check that names offending requests, and the prefill time that reuse saved, from the run's
+fitted step cost model (`analyzers.costmodel`).
 """
 
 from __future__ import annotations
@@ -20,16 +20,15 @@ import pandas as pd
 
 from agent.schema import ACCOUNTING_COLUMNS, LOAD_FAIL_REASONS, TOKEN_SOURCES
 from analyzers import frames as F
+from analyzers.costmodel import StepCost
 from analyzers.ratios import Ratio
 
 __all__ = [
-    "PrefillRate",
     "Ratio",
     "SecondsSaved",
     "TokenAccounting",
     "check_identity",
     "layer_table",
-    "prefill_rate",
     "prefill_seconds_saved",
     "token_accounting",
 ]
@@ -119,6 +118,8 @@ def token_accounting(requests: pd.DataFrame, by: str | Sequence[str] | None = No
     computed = tot["recomputed_tokens"] + tot["preempted_tokens"]
     reads = tot["host_read_bytes"] + tot["remote_read_bytes"]
     loaded = tot["host_loaded_tokens"] + tot["remote_loaded_tokens"]
+    # Every admission's loads (the byte columns add up over all of them).
+    loaded_all = loaded + tot["preempted_loaded_tokens"]
 
     def req(key: str, label: str, mask: np.ndarray) -> Ratio:
         return Ratio(key, label, int(mask.sum()), n, "requests", "request")
@@ -155,10 +156,17 @@ def token_accounting(requests: pd.DataFrame, by: str | Sequence[str] | None = No
             "lookup tokens", "host"),
         tok("remote_promised_share", "promised by remote", tot["remote_hit_tokens"], lookup,
             "lookup tokens", "remote"),
-        tok("host_load_yield", "host promises loaded", tot["host_loaded_tokens"],
-            tot["host_hit_tokens"], "promised host tokens", "host"),
-        tok("remote_load_yield", "remote promises loaded", tot["remote_loaded_tokens"],
-            tot["remote_hit_tokens"], "promised remote tokens", "remote"),
+        tok("host_found_share", "found in host (no lookup promised them)",
+            tot["host_found_tokens"], lookup, "lookup tokens", "host"),
+        tok("remote_found_share", "found in remote (no lookup promised them)",
+            tot["remote_found_tokens"], lookup, "lookup tokens", "remote"),
+        # Loaded tokens that were promised (loaded - found) over the promise: a subset.
+        tok("host_load_yield", "host promises loaded",
+            tot["host_loaded_tokens"] - tot["host_found_tokens"], tot["host_hit_tokens"],
+            "promised host tokens", "host"),
+        tok("remote_load_yield", "remote promises loaded",
+            tot["remote_loaded_tokens"] - tot["remote_found_tokens"], tot["remote_hit_tokens"],
+            "promised remote tokens", "remote"),
         tok("load_failed_share", "promised tokens that failed to load",
             tot["load_failed_tokens"], promised, "promised tokens"),
         *(tok(f"load_failed_{r}_share", f"failed: {r.replace('_', ' ')}",
@@ -171,7 +179,7 @@ def token_accounting(requests: pd.DataFrame, by: str | Sequence[str] | None = No
         Ratio("remote_read_byte_share", "bytes read from remote", tot["remote_read_bytes"],
               reads, "bytes read", "byte", tier="remote"),
         Ratio("h2d_bytes_per_loaded_token", "H2D bytes per loaded token", tot["h2d_bytes"],
-              loaded, "loaded tokens", "byte", numerator_unit="bytes"),
+              loaded_all, "loaded tokens (every admission)", "byte", numerator_unit="bytes"),
         Ratio("remote_read_bytes_per_remote_token", "remote bytes read per remote-loaded token",
               tot["remote_read_bytes"], tot["remote_loaded_tokens"], "remote-loaded tokens",
               "byte", tier="remote", numerator_unit="bytes"),
@@ -214,15 +222,18 @@ _RATIO_INPUTS: dict[str, tuple[str, ...]] = {
     "remote_loaded_share": ("remote_loaded_tokens", "lookup_tokens"),
     "host_promised_share": ("host_hit_tokens", "lookup_tokens"),
     "remote_promised_share": ("remote_hit_tokens", "lookup_tokens"),
-    "host_load_yield": ("host_loaded_tokens", "host_hit_tokens"),
-    "remote_load_yield": ("remote_loaded_tokens", "remote_hit_tokens"),
+    "host_found_share": ("host_found_tokens", "lookup_tokens"),
+    "remote_found_share": ("remote_found_tokens", "lookup_tokens"),
+    "host_load_yield": ("host_loaded_tokens", "host_found_tokens", "host_hit_tokens"),
+    "remote_load_yield": ("remote_loaded_tokens", "remote_found_tokens", "remote_hit_tokens"),
     "load_failed_share": ("load_failed_tokens", *_PROMISED),
     **{f"load_failed_{r}_share": (f"load_failed_{r}_tokens", *_PROMISED)
        for r in LOAD_FAIL_REASONS},
     **{f"prompt_{s}": (f"{s}_tokens", "prompt_tokens") for s in TOKEN_SOURCES},
     "preemption_waste": ("preempted_tokens", "recomputed_tokens"),
     "remote_read_byte_share": ("host_read_bytes", "remote_read_bytes"),
-    "h2d_bytes_per_loaded_token": ("h2d_bytes", "host_loaded_tokens", "remote_loaded_tokens"),
+    "h2d_bytes_per_loaded_token": ("h2d_bytes", "host_loaded_tokens", "remote_loaded_tokens",
+                                   "preempted_loaded_tokens"),
     "remote_read_bytes_per_remote_token": ("remote_read_bytes", "remote_loaded_tokens"),
 }
 
@@ -237,20 +248,26 @@ def _unknown_columns(requests: pd.DataFrame, served: np.ndarray) -> set[str]:
 
 
 def _tiers(cols: dict[str, np.ndarray]) -> pd.DataFrame:
+    """Per tier: promised (planned at admission), found (loaded at positions no lookup
+    promised it), loaded (found included), shortfall = promised - (loaded - found): promised
+    tokens the tier did not supply (failed loads, or served by another tier). Device: its
+    hits at admission, so no shortfall."""
     dev = cols["device_hit_tokens"]
-    promised = [dev, cols["host_hit_tokens"], cols["remote_hit_tokens"]]
-    loaded = [dev, cols["host_loaded_tokens"], cols["remote_loaded_tokens"]]
     zero = np.zeros_like(dev)
+    promised = [dev, cols["host_hit_tokens"], cols["remote_hit_tokens"]]
+    found = [zero, cols["host_found_tokens"], cols["remote_found_tokens"]]
+    loaded = [dev, cols["host_loaded_tokens"], cols["remote_loaded_tokens"]]
     read = [zero, cols["host_read_bytes"], cols["remote_read_bytes"]]
     written = [zero, cols["host_written_bytes"], cols["remote_written_bytes"]]
     return pd.DataFrame({
         "tier": ["device", "host", "remote"],
         "promised_tokens": [int(p.sum()) for p in promised],
+        "found_tokens": [int(f.sum()) for f in found],
         "loaded_tokens": [int(x.sum()) for x in loaded],
-        # Per request, so that one request loading more than promised cannot hide another's
-        # shortfall.
-        "shortfall_tokens": [int(np.maximum(p - x, 0).sum())
-                             for p, x in zip(promised, loaded, strict=True)],
+        # Never negative when the counts are right (the consistency check holds it); not
+        # clamped, so a wrong count shows.
+        "shortfall_tokens": [int((p - (x - f)).sum())
+                             for p, x, f in zip(promised, loaded, found, strict=True)],
         "read_bytes": [int(x.sum()) for x in read],
         "written_bytes": [int(x.sum()) for x in written],
         "requests_loading": [int((x > 0).sum()) for x in loaded],
@@ -358,103 +375,61 @@ def layer_table(layers: pd.DataFrame) -> pd.DataFrame:
 
 
 @dataclass(slots=True, frozen=True)
-class PrefillRate:
-    """The run's measured prefill rate: recomputed tokens per second of ``prefill`` stage time.
-
-    Measured over requests with a first token, no preemption (their thrown-away work would
-    blur the rate) and some prefill time. It is a per-request rate (the wall time each request
-    spent in prefill), the figure that converts tokens into TTFT seconds.
-    """
-
-    tokens_per_s: float
-    recomputed_tokens: int
-    prefill_seconds: float
-    requests: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"tokens_per_s": self.tokens_per_s, "recomputed_tokens": self.recomputed_tokens,
-                "prefill_seconds": self.prefill_seconds, "requests": self.requests}
-
-
-def prefill_rate(requests: pd.DataFrame, spans: pd.DataFrame,
-                 part: pd.DataFrame | None = None) -> PrefillRate:
-    """Measure the prefill rate of a run.
-
-    Args:
-        requests, spans: the run store's frames.
-        part: the run's partition if already computed (saves recomputing it).
-
-    Returns:
-        a `PrefillRate` (``tokens_per_s`` is NaN when no request qualifies).
-    """
-    if part is None:
-        from analyzers.ttft import partition
-
-        part = partition(requests, spans)
-    prefill = F.ints(part["prefill_ns"], 0)
-    recomputed = (F.ints(requests["recomputed_tokens"], 0) if "recomputed_tokens" in requests
-                  else np.zeros(len(requests), np.int64))
-    preempted = (F.ints(requests["num_preemptions"], 0) if "num_preemptions" in requests
-                 else np.zeros(len(requests), np.int64))
-    use = F.valid(part["ttft_ns"]) & (preempted == 0) & (prefill > 0)
-    tokens = int(recomputed[use].sum())
-    seconds = int(prefill[use].sum()) / 1e9
-    rate = tokens / seconds if seconds > 0 else float("nan")
-    return PrefillRate(tokens_per_s=rate, recomputed_tokens=tokens, prefill_seconds=seconds,
-                       requests=int(use.sum()))
-
-
-@dataclass(slots=True, frozen=True)
 class SecondsSaved:
-    """Prefill time that reuse saved, estimated at the run's own prefill rate.
+    """Prefill time that reuse saved, estimated with the run's fitted step cost model.
 
-    ``gross_seconds`` = reused tokens / rate (a linear estimate: attention's quadratic term
-    makes long prefixes somewhat dearer to recompute than this says). ``load_seconds`` is the
-    TTFT time the run spent getting that KV (remote_read + h2d + sync), when a partition was
-    given; ``net_seconds`` = gross - load.
+    ``gross_seconds`` = reused tokens x the per-token cost (the fixed per-step cost is paid
+    anyway; a linear estimate: attention's quadratic term makes long prefixes somewhat dearer
+    to recompute than this says), with ``gross_ci_seconds`` from the cost's interval.
+    ``load_seconds`` is the TTFT time the run spent getting that KV (remote_read + h2d +
+    sync), when a partition was given; ``net_seconds`` = gross - load.
     """
 
-    tokens_per_s: float
+    per_token_ns: float
     reused_tokens: int
     by_source: dict[str, dict[str, float]] = field(default_factory=dict)
     gross_seconds: float = 0.0
+    gross_ci_seconds: tuple[float, float] = (float("nan"), float("nan"))
     load_seconds: float | None = None
     net_seconds: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"tokens_per_s": self.tokens_per_s, "reused_tokens": self.reused_tokens,
+        return {"per_token_ns": self.per_token_ns, "reused_tokens": self.reused_tokens,
                 "by_source": self.by_source, "gross_seconds": self.gross_seconds,
+                "gross_ci_seconds": list(self.gross_ci_seconds),
                 "load_seconds": self.load_seconds, "net_seconds": self.net_seconds}
 
 
-def prefill_seconds_saved(requests: pd.DataFrame, rate: PrefillRate,
+def prefill_seconds_saved(requests: pd.DataFrame, cost: StepCost,
                           part: pd.DataFrame | None = None) -> SecondsSaved:
     """Estimate the prefill seconds that KV reuse saved in a run.
 
     Args:
         requests: the run store's ``requests`` frame.
-        rate: the run's `prefill_rate`.
+        cost: the run's step cost model (`analyzers.costmodel.fit_step_cost`).
         part: the run's partition, to subtract the time spent loading.
 
     Returns:
-        a `SecondsSaved`.
+        a `SecondsSaved` (NaN seconds when no model was fitted).
     """
     served = _served(requests)
     cols = _matrix(requests)
-    tps = rate.tokens_per_s
-    ok = bool(np.isfinite(tps) and tps > 0)
+    per = cost.per_token_ns if cost.fitted else float("nan")
     by_source = {}
     reused = 0
     for s in ("device_hit", "host_loaded", "remote_loaded"):
         t = int(cols[f"{s}_tokens"][served].sum())
         reused += t
-        by_source[s] = {"tokens": t, "seconds": t / tps if ok else float("nan")}
-    gross = reused / tps if ok else float("nan")
+        by_source[s] = {"tokens": t, "seconds": t * per / 1e9}
+    gross = reused * per / 1e9
+    lo, hi = cost.per_token_ci_ns
     load = net = None
     if part is not None:
         load_ns = sum(int(F.ints(part[f"{s}_ns"], 0).sum()) for s in ("remote_read", "h2d",
                                                                          "sync"))
         load = load_ns / 1e9
         net = gross - load
-    return SecondsSaved(tokens_per_s=tps, reused_tokens=reused, by_source=by_source,
-                        gross_seconds=gross, load_seconds=load, net_seconds=net)
+    return SecondsSaved(per_token_ns=per, reused_tokens=reused, by_source=by_source,
+                        gross_seconds=gross, gross_ci_seconds=(reused * lo / 1e9,
+                                                               reused * hi / 1e9),
+                        load_seconds=load, net_seconds=net)

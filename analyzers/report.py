@@ -16,24 +16,30 @@ from typing import Any
 
 import pandas as pd
 
+from agent.runstore.reader import block_size_of
 from agent.schema import TTFT_STAGES
 from analyzers.accounting import (
-    PrefillRate,
     SecondsSaved,
     TokenAccounting,
     layer_table,
-    prefill_rate,
     prefill_seconds_saved,
     token_accounting,
 )
+from analyzers.consistency import Consistency, check_consistency, kv_bytes_per_block_of
+from analyzers.costmodel import StepCost, fit_step_cost
 from analyzers.diagnose import DiagnoseReport, diagnose_report, render_markdown, render_text
 from analyzers.render import Table, md_table, text_table
+from analyzers.timebase import run_origin_ns
 from analyzers.ttft import partition, summarize, violations
 from analyzers.ttft_summary import TTFTSummary, records
-from analyzers.units import fmt_ns, fmt_pct
+from analyzers.units import fmt_ns, fmt_pct, fmt_s
 
 #: Version of the JSON report layout; bumped on an incompatible change.
-REPORT_VERSION = 1
+#: 2: "prefill" carries the fitted step cost model ("cost") instead of a measured rate
+#: ("rate"); "consistency" added; windows count from the run's start.
+REPORT_VERSION = 2
+#: Version of the JSON comparison layout (`kvscope compare --format json`).
+COMPARE_VERSION = 1
 FORMATS = ("text", "markdown", "json")
 _MAX_LISTED = 10
 
@@ -47,8 +53,9 @@ class Report:
     violations: pd.DataFrame
     accounting: TokenAccounting
     layers: pd.DataFrame
-    prefill: PrefillRate
+    cost: StepCost
     saved: SecondsSaved
+    consistency: Consistency
     diagnoses: DiagnoseReport | None = None
     #: False when the source carries no token accounting (an imported trace): the accounting
     #: sections then say so instead of printing zeros.
@@ -71,12 +78,14 @@ def build_report(store: Any, *, diagnose: bool = True, by: str | None = None,
     """
     req, spans = store.requests, store.spans
     part = partition(req, spans)
-    rate = prefill_rate(req, spans, part)
+    cost = fit_step_cost(spans)
     meta = store.meta
+    origin = run_origin_ns(meta, store)
     diag = None
     if diagnose:
         diag = diagnose_report(req, spans, layers=store.layers, samples=store.samples,
-                               events=store.events, run_config=meta.get("config"), part=part)
+                               events=store.events, run_config=meta.get("config"), part=part,
+                               cost=cost, origin_ns=origin, run_path=str(store.path))
     writer = getattr(store, "writer", None)
     run = {
         "path": str(store.path),
@@ -88,15 +97,18 @@ def build_report(store: Any, *, diagnose: bool = True, by: str | None = None,
         "model": _model_name(meta.get("config") or {}),
         "requests": len(req),
         "gaps": list(store.gaps),
+        "origin_ns": origin,
     }
     return Report(
         run=run,
-        ttft=summarize(part, by=by, window_ns=window_ns),
+        ttft=summarize(part, by=by, window_ns=window_ns, origin_ns=origin),
         violations=violations(part),
         accounting=token_accounting(req),
         layers=layer_table(store.layers),
-        prefill=rate,
-        saved=prefill_seconds_saved(req, rate, part),
+        cost=cost,
+        saved=prefill_seconds_saved(req, cost, part),
+        consistency=check_consistency(req, spans, block_size=block_size_of(meta),
+                                      kv_bytes_per_block=kv_bytes_per_block_of(meta)),
         diagnoses=diag,
         accounting_known=_accounting_known(req),
     )
@@ -128,10 +140,11 @@ def render(report: Report, fmt: str) -> str:
 def render_json(report: Report) -> str:
     """The report as JSON. Layout (stable; `REPORT_VERSION` changes on a break):
 
-    ``{"kvscope_report": 1, "run": {path, run_id, status, schema_version, model, requests,
-    gaps}, "ttft": TTFTSummary.to_dict(), "partition_violations": [{request_id, violation,
-    ttft_ns, derived}], "accounting": TokenAccounting.to_dict(), "layers": [row],
-    "prefill": {"rate": PrefillRate.to_dict(), "saved": SecondsSaved.to_dict()},
+    ``{"kvscope_report": 2, "run": {path, run_id, status, schema_version, model, requests,
+    gaps, origin_ns}, "ttft": TTFTSummary.to_dict(), "partition_violations": [{request_id,
+    violation, ttft_ns, derived}], "accounting": TokenAccounting.to_dict(), "consistency":
+    Consistency.to_dict(), "layers": [row], "prefill": {"cost": StepCost.to_dict(), "saved":
+    SecondsSaved.to_dict()},
     "findings": [Finding.to_dict()] | null, "diagnoses": DiagnoseReport.to_dict() | null}``
     (``diagnoses`` adds the rules not evaluated, with why, and the rules that passed). Times are
     integer or float ns; NaN is null.
@@ -142,8 +155,9 @@ def render_json(report: Report) -> str:
         "ttft": report.ttft.to_dict(),
         "partition_violations": records(report.violations),
         "accounting": report.accounting.to_dict(),
+        "consistency": report.consistency.to_dict(),
         "layers": records(report.layers),
-        "prefill": {"rate": report.prefill.to_dict(), "saved": report.saved.to_dict()},
+        "prefill": {"cost": report.cost.to_dict(), "saved": report.saved.to_dict()},
         "findings": None if report.diagnoses is None else [f.to_dict() for f in
                                                            report.diagnoses.findings],
         "diagnoses": None if report.diagnoses is None else report.diagnoses.to_dict(),
@@ -227,6 +241,7 @@ def render_doc(report: Report, *, markdown: bool = False) -> str:
     else:
         out.append("accounting: prompt = device_hit + host_loaded + remote_loaded + "
                    f"recomputed holds for all {a.requests:,} requests")
+    out.append(_consistency_line(report.consistency))
 
     if report.diagnoses is not None:
         if markdown:
@@ -248,23 +263,38 @@ def _accounting_section(report: Report, out: list[str], head: Any, table: Any,
         table(Table(["ratio", "numerator / denominator"],
                     [[x.label, str(x)] for x in rows], align="ll"))
     out.append("")
-    table(Table(["tier", "promised tokens", "loaded tokens", "shortfall tokens", "read bytes",
-                 "written bytes"],
-                [[t.tier, f"{t.promised_tokens:,}", f"{t.loaded_tokens:,}",
-                  f"{t.shortfall_tokens:,}", f"{t.read_bytes:,}", f"{t.written_bytes:,}"]
-                 for t in a.tiers.itertuples()]))
+    table(Table(["tier", "promised tokens", "found tokens", "loaded tokens", "shortfall tokens",
+                 "read bytes", "written bytes"],
+                [[t.tier, f"{t.promised_tokens:,}", f"{t.found_tokens:,}",
+                  f"{t.loaded_tokens:,}", f"{t.shortfall_tokens:,}", f"{t.read_bytes:,}",
+                  f"{t.written_bytes:,}"] for t in a.tiers.itertuples()]))
+    out.append("promised: planned at admission (host) or arrival (remote) beyond the device "
+               "hits; found: loaded where no lookup promised the tier; shortfall = promised - "
+               "(loaded - found).")
+    short = int(a.tiers["shortfall_tokens"].sum())
+    failed = a.totals.get("load_failed_tokens", 0)
+    if short:
+        out.append(f"shortfall {short:,} tokens = {failed:,} failed loads"
+                   + (f" + {short - failed:,} promised tokens served by another tier"
+                      if short != failed else ""))
 
-    head("Prefill rate and time saved by reuse")
-    p, sv = report.prefill, report.saved
-    out.append(f"measured prefill rate: {p.tokens_per_s:,.0f} tokens/s "
-               f"({p.recomputed_tokens:,} recomputed tokens in {fmt_ns(p.prefill_seconds * 1e9)}"
-               f" of prefill, {p.requests:,} requests without preemption)")
-    line = (f"reuse of {sv.reused_tokens:,} tokens saved about "
-            f"{fmt_ns(sv.gross_seconds * 1e9)} of prefill")
-    if sv.load_seconds is not None:
-        line += (f"; loading them cost {fmt_ns(sv.load_seconds * 1e9)} of TTFT "
-                 f"(remote_read + h2d + sync): net {fmt_ns(sv.net_seconds * 1e9, signed=True)}")
-    out.append(line)
+    head("Step cost and time saved by reuse")
+    c, sv = report.cost, report.saved
+    out.append(f"step cost model: {c.describe()}")
+    if c.fitted:
+        note = (f"(per-token cost known to +/- {100 * c.per_token_half_width:.0f} %"
+                + ("; poorly determined: the run scheduled few distinct token counts"
+                   if c.per_token_half_width > 0.2 else "") + ")")
+        out.append(note)
+        lo, hi = sv.gross_ci_seconds
+        line = (f"reuse of {sv.reused_tokens:,} tokens saved about "
+                f"{fmt_ns(sv.gross_seconds * 1e9)} of prefill ({fmt_ns(lo * 1e9)} .. "
+                f"{fmt_ns(hi * 1e9)})")
+        if sv.load_seconds is not None:
+            line += (f"; loading them cost {fmt_ns(sv.load_seconds * 1e9)} of TTFT "
+                     f"(remote_read + h2d + sync): net "
+                     f"{fmt_ns(sv.net_seconds * 1e9, signed=True)}")
+        out.append(line)
 
     if len(report.layers):
         head("Per layer (denominator: prompt tokens)")
@@ -290,27 +320,42 @@ def _stage_rows(s: TTFTSummary) -> Table:
                  align="l" * (len(group_cols) + 1) + "r" * 6)
 
 
+def _consistency_line(c: Consistency) -> str:
+    if not c.available:
+        return f"ledger: not checked ({c.reason})"
+    if len(c.mismatches):
+        m = c.mismatches
+        listed = ", ".join(f"{x.request_id} {x.column} recorded {x.recorded:,}, recomputed "
+                           f"{x.recomputed:,}" for x in m.head(_MAX_LISTED).itertuples())
+        more = f" and {len(m) - _MAX_LISTED} more" if len(m) > _MAX_LISTED else ""
+        return (f"ledger: {len(m):,} accounting value(s) disagree with the recorded lookups, "
+                f"loads, reads and copies: {listed}{more}")
+    extra = f"; {c.reason}" if c.reason else ""
+    return (f"ledger: all {len(c.columns)} accounting columns of all {c.requests:,} requests "
+            f"agree exactly with the recorded lookups, loads, reads and copies{extra}")
+
+
 def _window_rows(s: TTFTSummary) -> Table:
     w = s.windows
-    t0 = int(w["window_start_ns"].iloc[0])
     rows = []
     for x in w.itertuples(index=False):
         d = x._asdict()
         top = max(TTFT_STAGES, key=lambda st: d[f"{st}_p50_ns"])
-        rows.append([fmt_ns(int(d["window_start_ns"]) - t0) if d["window_start_ns"] != t0
-                     else "0", f"{d['requests']:,}", fmt_ns(d["ttft_p50_ns"]),
+        rows.append([fmt_s(d["window_start_s"]), f"{d['requests']:,}", fmt_ns(d["ttft_p50_ns"]),
                      fmt_ns(d["ttft_p90_ns"]), fmt_ns(d["ttft_p99_ns"]), top])
-    return Table(["window start", "requests", "TTFT p50", "p90", "p99", "largest stage at p50"],
+    return Table(["window start (since run start)", "requests", "TTFT p50", "p90", "p99",
+                  "largest stage at p50"],
                  rows, align="rrrrrl")
 
 
 def render_comparison(comp: Any, fmt: str) -> str:
     """A `analyzers.compare.Comparison` as text, markdown or JSON.
 
-    JSON layout (stable): ``{"kvscope_compare": 1, **Comparison.to_dict()}``.
+    JSON layout (stable): ``{"kvscope_compare": 1, **Comparison.to_dict()}`` (its own
+    version, `COMPARE_VERSION`).
     """
     if fmt == "json":
-        return json.dumps(_clean({"kvscope_compare": REPORT_VERSION, **comp.to_dict()}),
+        return json.dumps(_clean({"kvscope_compare": COMPARE_VERSION, **comp.to_dict()}),
                           indent=2, allow_nan=False) + "\n"
     markdown = fmt == "markdown"
     out: list[str] = []

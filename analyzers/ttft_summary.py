@@ -42,7 +42,8 @@ class TTFTSummary:
             summed TTFT).
         slowest: per (group,) stage, the requests at or above the p99 TTFT: ``threshold_ns``,
             ``requests``, ``mean_ns`` and ``share`` (of their summed TTFT; sums to 1).
-        windows: per window of ``window_ns`` by arrival: ``window_start_ns, requests`` and
+        windows: per window of ``window_ns`` by arrival, counted from the run's start:
+            ``window_start_ns`` (epoch), ``window_start_s`` (since the start), ``requests`` and
             ``ttft``/stage ``p50_ns``/``p90_ns``/``p99_ns`` as ``<name>_p50_ns`` columns.
         window_ns: the window length.
     """
@@ -134,6 +135,7 @@ def summarize(
     by: str | Sequence[str] | None = None,
     *,
     window_ns: int | None = None,
+    origin_ns: int | None = None,
 ) -> TTFTSummary:
     """Aggregate a partition (the output of ``partition``).
 
@@ -143,6 +145,8 @@ def summarize(
             ``status`` or ``derived``.
         window_ns: window length for percentiles over time (default: a round length giving
             about ten windows).
+        origin_ns: the run's time origin (`analyzers.timebase.run_origin_ns`): windows are
+            ``[origin + k * window, origin + (k + 1) * window)``; default the first arrival.
 
     Returns:
         a `TTFTSummary`; requests without a first token are counted, not aggregated.
@@ -162,7 +166,8 @@ def summarize(
     slowest = _slowest(vals, keys, by_t)
     arrival = F.ints(served["arrival_ns"])
     w = window_ns or default_window_ns(arrival)
-    windows = _windows(vals, arrival, w)
+    origin = origin_ns if origin_ns is not None else (int(arrival.min()) if len(arrival) else 0)
+    windows = _windows(vals, arrival, w, origin)
     stages, slowest, windows = (_tidy(x) for x in (stages, slowest, windows))
     return TTFTSummary(
         requests=int(has_ft.sum()),
@@ -269,12 +274,14 @@ def _slowest(vals: pd.DataFrame, keys: list[pd.Series], by: tuple[str, ...]) -> 
     return out[cols]
 
 
-def _windows(vals: pd.DataFrame, arrival: np.ndarray, window_ns: int) -> pd.DataFrame:
+def _windows(vals: pd.DataFrame, arrival: np.ndarray, window_ns: int, origin_ns: int
+             ) -> pd.DataFrame:
     names = ["ttft", *TTFT_STAGES]
-    cols = ["window_start_ns", "requests", *(f"{n}_{q}" for n in names for q in _QCOLS)]
+    cols = ["window_start_ns", "window_start_s", "requests",
+            *(f"{n}_{q}" for n in names for q in _QCOLS)]
     if not len(vals):
         return pd.DataFrame(columns=cols)
-    start = (arrival // window_ns) * window_ns
+    start = origin_ns + ((arrival - origin_ns) // window_ns) * window_ns
     g = vals[names].groupby(start, sort=True)
     qv = g.quantile(list(QUANTILES))  # one sort per column for all three quantiles
     out = pd.DataFrame({"requests": g.size()})
@@ -283,4 +290,5 @@ def _windows(vals: pd.DataFrame, arrival: np.ndarray, window_ns: int) -> pd.Data
         for n in names:
             out[f"{n}_{qc}"] = at[n]
     out = out.reset_index(names="window_start_ns")
+    out["window_start_s"] = (out["window_start_ns"] - origin_ns) / 1e9
     return out.reindex(columns=cols)

@@ -28,6 +28,17 @@ def _three_digits(x: float) -> str:
     return f"{x:,.{digits}f}"
 
 
+def fmt_s(seconds: float | int | None) -> str:
+    """A point on the run's time base (seconds since its start) as ``0 s``, ``12.500 s``;
+    ``-`` for None/NaN. Millisecond resolution, so that it can be pasted into
+    ``kvscope timeline --window`` and select the same instants."""
+    if seconds is None or (isinstance(seconds, float) and math.isnan(seconds)):
+        return "-"
+    if seconds == 0:
+        return "0 s"
+    return f"{seconds:,.3f} s"
+
+
 def fmt_pct(x: float | None, *, signed: bool = False, digits: int = 1) -> str:
     """A fraction as a percentage (``0.351`` → ``35.1 %``); ``-`` for None/NaN."""
     if x is None or (isinstance(x, float) and math.isnan(x)):

@@ -144,11 +144,22 @@ def partition(path: str, version: int) -> pd.DataFrame:
 
 
 @st.cache_data(show_spinner=False, max_entries=32)
+def origin_ns(path: str, version: int) -> int:
+    """The run's time origin (`analyzers.timebase.run_origin_ns`): every chart's x axis counts
+    seconds from it, as the report and `kvscope timeline --window` do."""
+    from analyzers.timebase import run_origin_ns
+
+    run = load_run(path, version)
+    return run_origin_ns(run.meta, run)
+
+
+@st.cache_data(show_spinner=False, max_entries=32)
 def ttft_summary(path: str, version: int, by: str | None = None) -> TTFTSummary:
-    """`analyzers.ttft.summarize` of the run's partition, optionally grouped."""
+    """`analyzers.ttft.summarize` of the run's partition, optionally grouped; windows count
+    from the run's start."""
     from analyzers.ttft import summarize
 
-    return summarize(partition(path, version), by=by)
+    return summarize(partition(path, version), by=by, origin_ns=origin_ns(path, version))
 
 
 @st.cache_data(show_spinner=False, max_entries=16)

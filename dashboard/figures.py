@@ -28,10 +28,14 @@ _MS = 1e6
 
 
 
-def _times(ns: pd.Series | np.ndarray) -> np.ndarray:
-    """Epoch ns → epoch ms floats, which Plotly's date axes read directly (Python datetimes
-    would cost a conversion per point and drop the nanoseconds with a warning)."""
-    return np.asarray(ns, dtype=np.int64) / 1e6
+#: The x axis of every time chart: the run's one time base (`analyzers.timebase`).
+TIME_AXIS = "seconds since run start"
+
+
+def _times(ns: pd.Series | np.ndarray, origin_ns: int) -> np.ndarray:
+    """Epoch ns → seconds since the run's start (what the report, the diagnoses and
+    `kvscope timeline --window` count in)."""
+    return (np.asarray(ns, dtype=np.int64) - np.int64(origin_ns)) / 1e9
 
 
 def _layout(fig: go.Figure, title: str, *, height: int = 360) -> go.Figure:
@@ -40,17 +44,18 @@ def _layout(fig: go.Figure, title: str, *, height: int = 360) -> go.Figure:
     return fig
 
 
-def ttft_over_time(windows: pd.DataFrame, *, stage: str = "ttft") -> go.Figure:
+def ttft_over_time(windows: pd.DataFrame, *, origin_ns: int, stage: str = "ttft"
+                   ) -> go.Figure:
     """Percentiles of TTFT (or one stage) per arrival window (`TTFTSummary.windows`)."""
     fig = go.Figure()
-    x = _times(windows["window_start_ns"]) if len(windows) else []
+    x = _times(windows["window_start_ns"], origin_ns) if len(windows) else []
     for q, dash in _QUANTILE_DASH.items():
         col = f"{stage}_{q}_ns"
         y = windows[col].astype("float64") / _MS if len(windows) else []
         fig.add_trace(go.Scatter(x=x, y=y, mode="lines+markers", name=f"{stage} {q}",
                                  line={"dash": dash}))
     fig.update_yaxes(title_text="ms")
-    fig.update_xaxes(type="date")
+    fig.update_xaxes(title_text=TIME_AXIS, type="linear")
     return _layout(fig, f"{stage.upper() if stage == 'ttft' else stage} percentiles over time "
                         "(by arrival window)")
 
@@ -141,34 +146,36 @@ def layer_heatmap(table: pd.DataFrame) -> go.Figure:
     return _layout(fig, "Share of prompt tokens by layer", height=300)
 
 
-def pool_states(samples: pd.DataFrame) -> go.Figure:
+def pool_states(samples: pd.DataFrame, *, origin_ns: int) -> go.Figure:
     """Block-pool states over time, stacked (samples with source ``pool``)."""
     fig = go.Figure()
     for (entity, state), g in samples.groupby(["entity", "metric"], sort=True, dropna=False):
         g = g.sort_values("ts_ns")
-        fig.add_trace(go.Scatter(x=_times(g["ts_ns"]), y=g["value"], name=f"{entity} {state}",
+        fig.add_trace(go.Scatter(x=_times(g["ts_ns"], origin_ns), y=g["value"],
+                                 name=f"{entity} {state}",
                                  mode="lines", stackgroup=str(entity), line={"shape": "hv"}))
     fig.update_yaxes(title_text="blocks")
-    fig.update_xaxes(type="date")
+    fig.update_xaxes(title_text=TIME_AXIS, type="linear")
     return _layout(fig, "Block pool states over time")
 
 
-def event_counts(events: pd.DataFrame, *, title: str) -> go.Figure:
+def event_counts(events: pd.DataFrame, *, title: str, origin_ns: int) -> go.Figure:
     """Events over time, as a histogram of their timestamps."""
-    fig = go.Figure(go.Histogram(x=_times(events["ts_ns"]), name="events"))
+    fig = go.Figure(go.Histogram(x=_times(events["ts_ns"], origin_ns), name="events"))
     fig.update_yaxes(title_text="events")
-    fig.update_xaxes(type="date")
+    fig.update_xaxes(title_text=TIME_AXIS, type="linear")
     return _layout(fig, title, height=280)
 
 
-def hardware(windows: pd.DataFrame, series: pd.DataFrame, metrics: Sequence[str]) -> go.Figure:
+def hardware(windows: pd.DataFrame, series: pd.DataFrame, metrics: Sequence[str], *,
+             origin_ns: int) -> go.Figure:
     """TTFT percentiles on top, then one row per hardware metric (a line per entity), all on
     one shared time axis."""
     rows = 1 + len(metrics)
     fig = make_subplots(rows=rows, cols=1, shared_xaxes=True, vertical_spacing=0.04,
                         subplot_titles=["TTFT (ms)", *metrics])
     if len(windows):
-        x = _times(windows["window_start_ns"])
+        x = _times(windows["window_start_ns"], origin_ns)
         for q, dash in _QUANTILE_DASH.items():
             fig.add_trace(go.Scatter(x=x, y=windows[f"ttft_{q}_ns"].astype("float64") / _MS,
                                      name=f"TTFT {q}", mode="lines+markers",
@@ -178,11 +185,11 @@ def hardware(windows: pd.DataFrame, series: pd.DataFrame, metrics: Sequence[str]
         for (source, entity), g in s.groupby(["source", "entity"], sort=True):
             unit = str(g["unit"].iloc[0]) if g["unit"].notna().any() else ""
             fig.add_trace(go.Scatter(
-                x=_times(g["ts_ns"]), y=g["value"].to_numpy(dtype=np.float64),
+                x=_times(g["ts_ns"], origin_ns), y=g["value"].to_numpy(dtype=np.float64),
                 mode="lines" if len(g) > 200 else "lines+markers",
                 name=f"{source} {entity} {metric}".strip(),
                 hovertemplate=f"%{{y:,.4g}} {unit}<extra></extra>"), row=i, col=1)
-    fig.update_xaxes(type="date")
+    fig.update_xaxes(title_text=TIME_AXIS, type="linear")
     return _layout(fig, "Hardware and TTFT on one time axis", height=220 + 200 * rows)
 
 

@@ -161,16 +161,26 @@ class LLMEngine:
         tier continuing the chain where the previous one stopped).
         """
         life = self.life
+        clock = self.clock
         life.arrived(req, arrival_ns)
         self.kv.hash_prompt(req)
         bs = self.kv.block_size
         n = self.kv.probe(req)
+        # Each tier's probe with its own interval (hashing counts as the device's): a slow
+        # remote probe shows as the remote's, not as a copy of the whole lookup.
+        t = clock()
+        probes = [("device", req.arrival_ns, t, 0, n)]
         promised = {"device": n * bs}
         limit = (req.num_tokens - 1) // bs
         for tier in self.tiers:
+            start = n
             more = min(tier.lookup(req.block_hashes[:limit], n), limit - n) if n < limit else 0
+            t1 = clock()
+            probes.append((tier.name, t, t1, start, more))
+            t = t1
             promised[tier.name] = more * bs
             n += more
+        req.lookup_probes = probes
         life.looked_up(req, promised)
         return promised
 

@@ -45,24 +45,36 @@ DECODE = STATE_CODE["decode"]
 
 
 def lookup_tokens(prompt_len: int, block_size: int) -> int:
-    """Prompt tokens in full blocks, capped at `prompt_len - 1` (the denominator of hit ratios).
-
-    The last prompt token is always computed, to produce the first token's logits.
-    """
-    return max(0, min((prompt_len // block_size) * block_size, prompt_len - 1))
+    """The largest multiple of the block size that is <= `prompt_len - 1`: the most a prefix
+    cache can ever supply (the last prompt token is always computed, to produce the first
+    token's logits, and hits come in whole blocks). The denominator of every hit ratio, so a
+    prompt whose every reachable block hit reads 100 %."""
+    return max(0, (prompt_len - 1) // block_size * block_size)
 
 
 @dataclass(slots=True, frozen=True)
 class Loads:
     """What one admission loaded from the tiers beyond the device (the tiers' side of it).
 
+    Token fields describe this admission (the one that produces the first token is what the
+    identity adds up); byte fields are what this admission moved, added to the request's.
+
     Attributes:
+        host_hit_tokens, remote_hit_tokens: promised tokens whose load this admission planned
+            (remote: the arrival's promise, its prefetch; host: the arrival's host promise not
+            covered by the device hits found at admission).
+        host_found_tokens, remote_found_tokens: tokens loaded from a tier at chain positions
+            no lookup promised to it (included in its loaded tokens).
         host_loaded_tokens, remote_loaded_tokens: KV used, by the tier it came from.
         failed_tokens: promised tokens that could not be used, and the reason (one of
             `LOAD_FAIL_REASONS`; the chain broke at the first failed block).
-        host_read_bytes, remote_read_bytes, h2d_bytes, host_written_bytes: the bytes moved.
+        host_read_bytes, remote_read_bytes, h2d_bytes, host_written_bytes: bytes moved.
     """
 
+    host_hit_tokens: int = 0
+    remote_hit_tokens: int = 0
+    host_found_tokens: int = 0
+    remote_found_tokens: int = 0
     host_loaded_tokens: int = 0
     remote_loaded_tokens: int = 0
     failed_tokens: int = 0
@@ -122,19 +134,21 @@ class RequestLifecycle:
     # ------------------------------------------------------------------ engine loop
     def queued(self, req: Request, promised: Mapping[str, int]) -> None:
         """(Engine loop, after `open`) the request reached the engine: `queue` from the end of
-        its lookup, plus one lookup activity span per tier asked."""
+        its lookup; per tier asked, its probe as an activity span (its own interval) and as a
+        ledger row (the promised blocks and where they start in the chain)."""
         rec = self.rec
         req.state = QUEUE
         if rec is None:
             return
         rn = req.request_num
+        bs = self.block_size
         rec.stage(rn, QUEUE, req.lookup_done_ns)
-        rec.activity("lookup", req.arrival_ns, req.lookup_done_ns, request_num=rn,
-                     tier="device", tokens=promised.get("device", 0))
-        for tier, tokens in promised.items():
-            if tier != "device":
-                rec.activity("lookup", req.arrival_ns, req.lookup_done_ns, request_num=rn,
-                             tier=tier, tokens=tokens)
+        probes = req.lookup_probes or [
+            (tier, req.arrival_ns, req.lookup_done_ns, 0, tokens // bs)
+            for tier, tokens in promised.items()]
+        for tier, t0, t1, first, blocks in probes:
+            rec.activity("lookup", t0, t1, request_num=rn, tier=tier, tokens=blocks * bs)
+            rec.ledger("lookup", rn, t=t1, tier=tier, tokens=blocks * bs, block=first)
 
     def enter(self, req: Request, state: int, t: int | None = None) -> None:
         """Move a request that has no first token yet into `state` at `t` (now if None)."""
@@ -168,19 +182,28 @@ class RequestLifecycle:
         if not req.has_first_token:
             req.acct.device_hit_tokens = device_hit_tokens
             req.acct.recomputed_tokens = 0
+        if self.rec is not None:
+            # Opens the admission's ledger rows (the tiers' loads and failures follow).
+            self.rec.ledger("device_hit", req.request_num, tier="device",
+                            tokens=device_hit_tokens, block=0)
 
     def loaded(self, req: Request, loads: Loads) -> None:
-        """(Tiers) what this admission loaded and failed to load; replaces the previous
-        admission's figures (before the first token only)."""
+        """(Tiers) what this admission loaded and failed to load. Before the first token its
+        token counts replace the previous admission's; its bytes always add up."""
+        a = req.acct
+        req.admission_loaded_tokens = loads.host_loaded_tokens + loads.remote_loaded_tokens
+        a.host_read_bytes += loads.host_read_bytes
+        a.remote_read_bytes += loads.remote_read_bytes
+        a.h2d_bytes += loads.h2d_bytes
+        a.host_written_bytes += loads.host_written_bytes
         if req.has_first_token:
             return
-        a = req.acct
+        a.host_hit_tokens = loads.host_hit_tokens
+        a.remote_hit_tokens = loads.remote_hit_tokens
+        a.host_found_tokens = loads.host_found_tokens
+        a.remote_found_tokens = loads.remote_found_tokens
         a.host_loaded_tokens = loads.host_loaded_tokens
         a.remote_loaded_tokens = loads.remote_loaded_tokens
-        a.host_read_bytes = loads.host_read_bytes
-        a.remote_read_bytes = loads.remote_read_bytes
-        a.h2d_bytes = loads.h2d_bytes
-        a.host_written_bytes = loads.host_written_bytes
         for r in LOAD_FAIL_REASONS:
             setattr(a, f"load_failed_{r}_tokens", 0)
         a.load_failed_tokens = loads.failed_tokens
@@ -231,8 +254,13 @@ class RequestLifecycle:
         a = req.acct
         a.preempted_tokens += lost_tokens
         a.num_preemptions += 1
+        # The KV this admission loaded was thrown away with the rest (before the first token,
+        # the next admission's sources replace it in the identity): it is kept here.
+        a.preempted_loaded_tokens += req.admission_loaded_tokens
+        req.admission_loaded_tokens = 0
         t = self.clock() if t is None else t
         if self.rec is not None:
+            self.rec.ledger("preempted", req.request_num, t=t, tokens=lost_tokens)
             self.rec.event("preemption", t=t, request_num=req.request_num,
                            detail={"tier": "device", "lost_tokens": lost_tokens})
         # NOTE: a victim is never one already scheduled in this step, so before its first

@@ -180,6 +180,7 @@ def _spans(ids: pa.Array, r: np.ndarray, kind: str, name: np.ndarray, start: np.
         "step_id": pa.nulls(m, pa.int64()), "transfer_id": opt(transfer_id, pa.int64()),
         "waits_on": pa.nulls(m, pa.list_(pa.int64())),
         "clock": pa.array(np.full(m, "cpu")), "batch_requests": pa.nulls(m, pa.int32()),
+        "block": pa.nulls(m, pa.int32()),
     }, schema=TABLES["spans"])
 
 
@@ -240,4 +241,5 @@ def _steps(rng: np.random.Generator, arrival: np.ndarray, n: int) -> pa.Table:
         "transfer_id": pa.nulls(m, pa.int64()), "waits_on": pa.nulls(m, pa.list_(pa.int64())),
         "clock": pa.array(np.full(m, "cpu")),
         "batch_requests": pa.array(np.repeat(rng.integers(1, 32, k), 4).astype(np.int32)),
+        "block": pa.nulls(m, pa.int32()),
     }, schema=TABLES["spans"])

@@ -204,14 +204,32 @@ def read_meta(path: Path) -> dict[str, Any]:
 #: Columns a version-1 store lacks, and the value they take when it is read: a v1 engine had
 #: no `mismatch` failure reason and recorded no outputs.
 _ADDED_IN_V2: dict[str, dict[str, Any]] = {
-    "requests": {"load_failed_mismatch_tokens": 0, "output_digest": None,
-                 "output_token_ids": None},
+    "requests": {"load_failed_mismatch_tokens": 0, "host_found_tokens": 0,
+                 "remote_found_tokens": 0, "preempted_loaded_tokens": 0,
+                 "output_digest": None, "output_token_ids": None},
+    "spans": {"block": None},
 }
 
 
-def upgrade(tbl: pa.Table, name: str, version: int) -> pa.Table:
-    """A table of a store written with schema `version`, with the columns later versions
-    added filled in (so every reader sees the current schema)."""
+def block_size_of(meta: dict[str, Any]) -> int | None:
+    """The KV block size a run used, from its run.json (None when it does not say)."""
+    cfg = meta.get("config") if isinstance(meta.get("config"), dict) else {}
+    for path in (("engine", "cache", "block_size"), ("tiers", "device", "block_size"),
+                 ("block_size",)):
+        v: Any = cfg
+        for k in path:
+            v = v.get(k) if isinstance(v, dict) else None
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def upgrade(tbl: pa.Table, name: str, version: int, meta: dict[str, Any] | None = None
+            ) -> pa.Table:
+    """A table of a store written with schema `version`, in the current meaning of every
+    column: columns later versions added are filled in, and `lookup_tokens` (full-block tokens
+    capped at prompt - 1 in version 1) becomes the largest multiple of the block size that is
+    <= prompt - 1, recomputed from `prompt_tokens` and run.json's block size."""
     if version >= 2:
         return tbl
     for col, value in _ADDED_IN_V2.get(name, {}).items():
@@ -221,6 +239,14 @@ def upgrade(tbl: pa.Table, name: str, version: int) -> pa.Table:
         arr = (pa.nulls(tbl.num_rows, typ) if value is None
                else pa.array([value] * tbl.num_rows, typ))
         tbl = tbl.append_column(col, arr)
+    bs = block_size_of(meta or {})
+    if name == "requests" and bs and {"lookup_tokens", "prompt_tokens"} <= set(tbl.column_names):
+        import numpy as np
+
+        prompt = np.asarray(tbl["prompt_tokens"].to_numpy(zero_copy_only=False), np.int64)
+        fixed = np.maximum(prompt - 1, 0) // bs * bs
+        tbl = tbl.set_column(tbl.column_names.index("lookup_tokens"), "lookup_tokens",
+                             pa.array(fixed, pa.int64()))
     return tbl
 
 
@@ -277,8 +303,8 @@ def _conform(tbl: pa.Table, schema: pa.Schema, where: Path) -> pa.Table:
     return pa.Table.from_arrays(cols, schema=schema)
 
 
-def read_table(path: Path, name: str, gaps: list[str], version: int = SCHEMA_VERSION
-               ) -> tuple[pa.Table, list[int]]:
+def read_table(path: Path, name: str, gaps: list[str], version: int = SCHEMA_VERSION,
+               meta: dict[str, Any] | None = None) -> tuple[pa.Table, list[int]]:
     schema = TABLES[name]
     d = path / name
     if not d.is_dir():
@@ -300,7 +326,7 @@ def read_table(path: Path, name: str, gaps: list[str], version: int = SCHEMA_VER
             t = pq.read_table(p)
         except (pa.ArrowException, OSError) as exc:
             raise InputError(f"{p}: unreadable Parquet part ({exc})") from None
-        tables.append(_conform(upgrade(t, name, version), schema, p))
+        tables.append(_conform(upgrade(t, name, version, meta), schema, p))
     if not tables:
         return schema.empty_table(), seqs
     return pa.concat_tables(tables), seqs
@@ -327,5 +353,5 @@ def open_run(path: str | os.PathLike[str], tables: tuple[str, ...] | None = None
         if tables is not None and name not in tables:
             out[name] = schema.empty_table()
             continue
-        out[name], seqs[name] = read_table(p, name, gaps, meta["schema_version"])
+        out[name], seqs[name] = read_table(p, name, gaps, meta["schema_version"], meta)
     return RunStore(path=p, meta=meta, tables=out, gaps=gaps, parts=seqs)

@@ -22,10 +22,13 @@ class RequestAccounting:
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0
     remote_hit_tokens: int = 0
+    host_found_tokens: int = 0
+    remote_found_tokens: int = 0
     host_loaded_tokens: int = 0
     remote_loaded_tokens: int = 0
     recomputed_tokens: int = 0
     preempted_tokens: int = 0
+    preempted_loaded_tokens: int = 0
     load_failed_tokens: int = 0
     load_failed_timeout_tokens: int = 0
     load_failed_checksum_tokens: int = 0

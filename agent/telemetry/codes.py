@@ -13,3 +13,6 @@ TIER_CODE: dict[str, int] = {t: i for i, t in enumerate(TIERS)}
 NO_RANGE = 0
 #: The largest value of the run store's int32 columns (layer, batch_requests).
 I32_MAX = 2**31 - 1
+#: The `kind` of a row in the recorder's activity buffer (activity spans and ledger rows).
+KIND_ACTIVITY = 0
+KIND_LEDGER = 1

@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 _STATE_COLS = ("request_num", "state", "start_ns", "end_ns")
 _ACT_COLS = ("request_num", "name", "start_ns", "end_ns", "tier", "layer", "tokens", "bytes",
-             "transfer_id", "clock")
+             "transfer_id", "clock", "kind", "block")
 _STEP_COLS = ("step_id", "name", "start_ns", "end_ns", "batch_requests", "tokens", "clock")
 _LAYER_COLS = tables.LAYER_COLS
 

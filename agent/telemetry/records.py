@@ -14,7 +14,14 @@ from collections import deque
 from typing import Any
 
 from agent.telemetry.buffers import SegmentedTable
-from agent.telemetry.codes import CLOCK_CODES, CLOCK_CPU, I32_MAX, TIER_CODE
+from agent.telemetry.codes import (
+    CLOCK_CODES,
+    CLOCK_CPU,
+    I32_MAX,
+    KIND_ACTIVITY,
+    KIND_LEDGER,
+    TIER_CODE,
+)
 
 _index = operator.index
 
@@ -102,13 +109,41 @@ class OtherRecords:
             if clock not in CLOCK_CODES:
                 raise ValueError(f"clock must be CLOCK_CPU or CLOCK_CUDA, got {clock!r}")
             row = (request_num, code, start_ns, end_ns, tcode, layer, tokens, nbytes,
-                   transfer_id, clock)
-            if threading.get_ident() == self._owner:
-                self._request_id(request_num)
-                self._append(self._act, row)
-            else:
-                # Resolve the id now: the request may be retired before the drain.
-                self._append_foreign(self._act, row, request_num, self._request_id(request_num))
+                   transfer_id, clock, KIND_ACTIVITY, -1)
+            self._put_activity(row, request_num)
+        except Exception:
+            self._error()
+
+    def _put_activity(self, row: tuple[int, ...], request_num: int) -> None:
+        if threading.get_ident() == self._owner:
+            self._request_id(request_num)
+            self._append(self._act, row)
+        else:
+            # Resolve the id now: the request may be retired before the drain.
+            self._append_foreign(self._act, row, request_num, self._request_id(request_num))
+
+    def ledger(self, name: str, request_num: int, *, t: int | None = None,
+               tier: str | None = None, tokens: int = -1, nbytes: int = -1, block: int = -1,
+               transfer_id: int = -1) -> None:
+        """One ledger row (kind `ledger`): a physical operation behind a request's accounting
+        — a tier's lookup, a load by origin tier, a failure, a computed chunk, a write — with
+        its tokens, bytes and first chain position (`block`). Any thread.
+
+        The accounting columns can be recomputed from these rows alone
+        (`analyzers.consistency`), so they are recorded where the operation happens, never
+        copied from the accounting counters.
+        """
+        try:
+            code = self._names.get(name)
+            if code is None:
+                code = self.intern(name)
+            tcode = -1 if tier is None else TIER_CODE[tier]
+            if not -1 <= block <= I32_MAX:
+                raise ValueError(f"block out of range: {block}")
+            t = self._clock() if t is None else _index(t)
+            row = (request_num, code, t, t, tcode, -1, tokens, nbytes, transfer_id, CLOCK_CPU,
+                   KIND_LEDGER, block)
+            self._put_activity(row, request_num)
         except Exception:
             self._error()
 

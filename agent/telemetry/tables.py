@@ -25,6 +25,9 @@ from agent.schema import (
 )
 from agent.telemetry.buffers import Chunk, chunk_waits, coded_strings, concat_column, int_array
 
+#: Activity-buffer kind codes (agent.telemetry.codes.KIND_*) → span kind.
+_ACTIVITY_KINDS = ("activity", "ledger")
+
 LAYER_COLS = ("request_num", "layer", "hit_tokens", "loaded_tokens", "recomputed_tokens",
               "prompt_tokens", "load_ns", "wait_ns")
 
@@ -64,6 +67,7 @@ def state_table(segs: list[Chunk], ids: IdLookup, off: int) -> pa.Table:
         else pa.array(waits, pa.list_(pa.int64())),
         "clock": pa.repeat(pa.scalar(CLOCKS[0]), n),
         "batch_requests": pa.nulls(n, pa.int32()),
+        "block": pa.nulls(n, pa.int32()),
     }
     return pa.table(cols, schema=SPANS_SCHEMA)
 
@@ -75,7 +79,7 @@ def activity_table(segs: list[Chunk], ids: IdLookup, names: list[str],
     cols = {
         "request_id": request_ids(rn, ids),
         "request_num": int_array(rn, 0),
-        "kind": pa.repeat(pa.scalar("activity"), n),
+        "kind": coded_strings(concat_column(segs, 10), list(_ACTIVITY_KINDS)),
         "name": coded_strings(concat_column(segs, 1), names),
         "start_ns": pa.array(concat_column(segs, 2) + off),
         "end_ns": pa.array(concat_column(segs, 3) + off),
@@ -88,6 +92,7 @@ def activity_table(segs: list[Chunk], ids: IdLookup, names: list[str],
         "waits_on": pa.nulls(n, pa.list_(pa.int64())),
         "clock": coded_strings(concat_column(segs, 9), list(CLOCKS)),
         "batch_requests": pa.nulls(n, pa.int32()),
+        "block": int_array(concat_column(segs, 11), 0, pa.int32()),
     }
     return pa.table(cols, schema=SPANS_SCHEMA)
 
@@ -111,6 +116,7 @@ def step_table(segs: list[Chunk], names: list[str], off: int) -> pa.Table:
         "waits_on": pa.nulls(n, pa.list_(pa.int64())),
         "clock": coded_strings(concat_column(segs, 6), list(CLOCKS)),
         "batch_requests": int_array(concat_column(segs, 4), 0, pa.int32()),
+        "block": pa.nulls(n, pa.int32()),
     }
     return pa.table(cols, schema=SPANS_SCHEMA)
 

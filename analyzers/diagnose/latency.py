@@ -21,7 +21,7 @@ _LOAD_STAGES = ("remote_read_ns", "h2d_ns", "sync_ns")
 
 def remote_load_slower_than_recompute(ctx: Context) -> Finding | NotEvaluated | None:
     """Requests whose remote load (remote_read + h2d + sync) took longer than recomputing the
-    tokens it brought in would have, at the run's own measured prefill rate.
+    tokens it brought in would have, at the run's fitted per-token step cost.
 
     Only load time on the TTFT path counts: a prefetch hidden in queue time cost nothing.
     """
@@ -35,16 +35,15 @@ def remote_load_slower_than_recompute(ctx: Context) -> Finding | NotEvaluated | 
     loading = known & (remote > 0)
     if not loading.any():
         return NotEvaluated(rule, "no request loaded KV from the remote tier")
-    rate = ctx.rate
-    if not (np.isfinite(rate.tokens_per_s) and rate.tokens_per_s > 0):
-        return NotEvaluated(rule, "no prefill rate: no request has both prefill time and "
-                                  "recomputed tokens")
+    cost = ctx.cost
+    if not cost.fitted:
+        return NotEvaluated(rule, f"no step cost model: {cost.reason}")
     cfg = ctx.config
     # NOTE: h2d and sync also carry the request's host loads, so the load time is compared
     # with recomputing every token it loaded (host + remote), not the remote ones alone.
     loaded = remote + ctx.tokens("host_loaded_tokens")
     load_ns = sum(ctx.ns(c) for c in _LOAD_STAGES)
-    recompute_ns = loaded / rate.tokens_per_s * 1e9
+    recompute_ns = np.asarray(cost.recompute_ns(loaded), dtype=np.float64)
     lost = loading & (load_ns > recompute_ns)
     n, n_lost = int(loading.sum()), int(lost.sum())
     frac = n_lost / n
@@ -54,12 +53,12 @@ def remote_load_slower_than_recompute(ctx: Context) -> Finding | NotEvaluated | 
     lost_load, lost_rec = int(load_ns[lost].sum()), float(recompute_ns[lost].sum())
     tok = loaded[loading]
     threshold, above, above_won = _break_even(tok, lost[loading], cfg.remote_slower_share)
+    examples = ctx.examples(lost, load_ns - recompute_ns)
     evidence = [
         f"{share(n_lost, n, 'requests that loaded remote KV')} spent longer loading it "
         "(remote_read + h2d + sync) than recomputing the same tokens would take",
-        f"measured prefill rate: {rate.recomputed_tokens:,} recomputed tokens / "
-        f"{rate.prefill_seconds:,.3f} s of prefill = {rate.tokens_per_s:,.0f} tokens/s "
-        f"(over {rate.requests:,} requests)",
+        f"step cost model: {cost.describe()}; recomputing a token costs "
+        f"{cost.per_token_ns / 1e3:,.1f} us",
         f"the {n_lost:,} losing requests: {dur(lost_load)} loading vs {dur(lost_rec)} to "
         f"recompute their {int(loaded[lost].sum()):,} loaded tokens "
         f"({dur(lost_load - lost_rec)} of TTFT lost to loading)",
@@ -79,16 +78,17 @@ def remote_load_slower_than_recompute(ctx: Context) -> Finding | NotEvaluated | 
     else:
         step = ("Loading lost at every prefix length: run without the remote tier (recompute) "
                 "and compare with `kvscope compare`; then measure the remote tier's read "
-                "bandwidth on the example requests with `kvscope timeline RUN -o trace.json`.")
+                "bandwidth on the example requests with "
+                f"`{ctx.timeline_command('trace.json', examples)}`.")
     return Finding(
         rule=rule, severity=severity,
         title=f"Remote KV loads were slower than recomputing in {pct(n_lost, n)} of the "
               "requests that used them",
         evidence=evidence, next_step=step,
         metrics={"requests_loading": n, "requests_lost": n_lost, "share": frac,
-                 "prefill_tokens_per_s": rate.tokens_per_s, "lost_load_ns": lost_load,
+                 "per_token_ns": cost.per_token_ns, "lost_load_ns": lost_load,
                  "lost_recompute_ns": lost_rec, "break_even_tokens": threshold},
-        requests=ctx.examples(lost, load_ns - recompute_ns),
+        requests=examples,
     )
 
 
@@ -238,16 +238,18 @@ def other_share_high(ctx: Context) -> Finding | NotEvaluated | None:
         evidence.append(f"{share(int(derived.sum()), int(served.sum()), 'requests')} have a "
                         "derived partition (activity ranges, no recorded states): other is "
                         "what the source's ranges did not cover")
+    examples = ctx.examples(mostly, other)
     return Finding(
         rule=rule,
         severity="critical" if frac >= cfg.other_share_critical else "warning",
         title=f"Instrumentation blind spot: {pct(o, t)} of TTFT is 'other'",
         evidence=evidence,
-        next_step=("Find the uncovered stretch: `kvscope timeline RUN -o trace.json` and open "
+        next_step=("Find the uncovered stretch: "
+                   f"`{ctx.timeline_command('trace.json', examples)}` and open "
                    "the example requests in ui.perfetto.dev; for imported traces, profile with "
                    "`kvscope run --profile` so kvscope.<stage> ranges cover every stage."),
         metrics={"other_ns": o, "ttft_ns": t, "share": frac, "requests_mostly_other":
                  int(mostly.sum()), "requests": int(served.sum()),
                  "requests_derived": int(derived.sum())},
-        requests=ctx.examples(mostly, other),
+        requests=examples,
     )

@@ -20,7 +20,8 @@ import pandas as pd
 from analyzers import frames as F
 
 if TYPE_CHECKING:
-    from analyzers.accounting import PrefillRate, TokenAccounting
+    from analyzers.accounting import TokenAccounting
+    from analyzers.costmodel import StepCost
     from analyzers.ttft_summary import TTFTSummary
 
 Severity = Literal["critical", "warning", "info"]
@@ -211,12 +212,17 @@ class Context:
         part: the partition of `requests`/`spans` when the caller already has it.
         run_config: run.json's ``config`` (``options`` holds the `kvscope run` flags), so next
             steps can name the current value of a flag.
+        cost: the run's step cost model, when the caller has fitted it already.
+        origin_ns: the run's time origin (seconds in findings count from it); default the
+            first arrival.
+        run_path: the run directory for next-step commands (``RUN`` when unknown).
     """
 
     def __init__(self, requests: pd.DataFrame, spans: pd.DataFrame, *,
                  layers: pd.DataFrame | None, samples: pd.DataFrame | None,
                  events: pd.DataFrame | None, config: DiagnoseConfig,
-                 part: pd.DataFrame | None, run_config: Mapping[str, Any] | None = None
+                 part: pd.DataFrame | None, run_config: Mapping[str, Any] | None = None,
+                 cost: Any = None, origin_ns: int | None = None, run_path: str | None = None
                  ) -> None:
         from analyzers.ttft import partition
 
@@ -235,6 +241,31 @@ class Context:
         opts = (run_config or {}).get("options")
         self.options: Mapping[str, Any] = opts if isinstance(opts, Mapping) else {}
         self._accounting: dict[tuple[str, ...], TokenAccounting] = {}
+        self._cost = cost
+        if origin_ns is None:
+            arr = F.ints(self.requests["arrival_ns"], -1) if "arrival_ns" in self.requests \
+                else np.zeros(0, np.int64)
+            arr = arr[arr >= 0]
+            origin_ns = int(arr.min()) if len(arr) else 0
+        self.origin_ns = origin_ns
+        self.run_path = run_path
+
+    def run_arg(self) -> str:
+        """The run directory as a shell argument for next-step commands."""
+        import shlex
+
+        return "RUN" if self.run_path is None else shlex.quote(self.run_path)
+
+    def timeline_command(self, out: str, ids: Sequence[str], *,
+                         window: tuple[float, float] | None = None) -> str:
+        """A `kvscope timeline` command that shows exactly the requests `ids` (and, with
+        `window`, only what happened in it: seconds since the run's start)."""
+        cmd = f"kvscope timeline {self.run_arg()} -o {out}"
+        if window is not None:
+            cmd += f" --window {window[0]:.3f}:{window[1]:.3f}"
+        if ids:
+            cmd += f" --requests {','.join(ids)}"
+        return cmd
 
     def flag(self, option: str, cli: str, factor: float) -> str:
         """``--max-num-seqs 8 (now 4)`` when the run's value of `option` is known (scaled by
@@ -283,11 +314,14 @@ class Context:
         order = idx[np.argsort(-np.asarray(worst, dtype=np.float64)[idx], kind="stable")]
         return tuple(str(x) for x in self.ids[order[: self.config.examples]])
 
-    @cached_property
-    def rate(self) -> PrefillRate:
-        from analyzers.accounting import prefill_rate
+    @property
+    def cost(self) -> StepCost:
+        """The run's step cost model (fitted once)."""
+        if self._cost is None:
+            from analyzers.costmodel import fit_step_cost
 
-        return prefill_rate(self.requests, self.spans, self.part)
+            self._cost = fit_step_cost(self.spans)
+        return self._cost
 
     @cached_property
     def summary(self) -> TTFTSummary:

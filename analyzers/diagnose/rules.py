@@ -73,6 +73,9 @@ def diagnose_report(
     part: pd.DataFrame | None = None,
     rules: tuple[str, ...] | None = None,
     run_config: Mapping[str, Any] | None = None,
+    cost: Any = None,
+    origin_ns: int | None = None,
+    run_path: str | None = None,
 ) -> DiagnoseReport:
     """Run the rules over a run and say what each found, or why it could not look.
 
@@ -86,6 +89,10 @@ def diagnose_report(
         rules: ids of the rules to run (default: all of `RULES`).
         run_config: run.json's ``config`` (``RunStore.meta["config"]``), so next steps name
             the run's current flag values; None for imports.
+        cost: the run's `analyzers.costmodel.StepCost` when the caller has it already.
+        origin_ns: the run's time origin (`analyzers.timebase.run_origin_ns`); windows and
+            ``--window`` arguments count from it (default: the first arrival).
+        run_path: the run directory, named in next-step commands (default ``RUN``).
 
     Returns:
         a `DiagnoseReport`.
@@ -105,7 +112,8 @@ def diagnose_report(
         why = "no per-request data in this source"
         return DiagnoseReport((), tuple(NotEvaluated(r, why) for r in names), (), cfg)
     ctx = Context(requests, spans, layers=layers, samples=samples, events=events,
-                  config=cfg, part=part, run_config=run_config)
+                  config=cfg, part=part, run_config=run_config, cost=cost,
+                  origin_ns=origin_ns, run_path=run_path)
     found: list[Finding] = []
     skipped: list[NotEvaluated] = []
     passed: list[str] = []

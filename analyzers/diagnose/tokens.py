@@ -131,13 +131,15 @@ def recompute_storm(ctx: Context) -> Finding | NotEvaluated | None:
                                   "cannot be seen")
     # Recomputation happens in the prefill that produced the first token: bin it there.
     ts = t_ft[known]
-    # Windows start at the first arrival, the origin `kvscope timeline --window` also uses.
-    t0 = int(F.ints(ctx.requests["arrival_ns"], 0)[known].min())
     window = cfg.storm_window_ns
     if window is None:
         from analyzers.ttft_summary import default_window_ns
 
         window = default_window_ns(ts)
+    # Windows lie on the run's time base (seconds since its start, what `kvscope timeline
+    # --window` reads), from the first one holding a first token.
+    origin = ctx.origin_ns
+    t0 = origin + ((int(ts.min()) - origin) // window) * window
     n_win = int((int(ts.max()) - t0) // window) + 1
     if n_win < cfg.storm_min_windows:
         return NotEvaluated(rule, f"the run spans {n_win} window(s) of {dur(window)}; a "
@@ -172,11 +174,14 @@ def recompute_storm(ctx: Context) -> Finding | NotEvaluated | None:
     if not storm.any():
         return None
     worst = int(np.flatnonzero(storm)[np.argmax(rate[storm])])
-    start_s = worst * window / 1e9
+    start_s = (t0 - origin + worst * window) / 1e9
+    end_s = start_s + window / 1e9
     in_worst = known & ((t_ft - t0) // window == worst)
     n_in = int(in_worst.sum())
+    examples = ctx.examples(in_worst, ctx.tokens("recomputed_tokens"))
     evidence = [
-        f"window +{start_s:,.3f} s .. +{start_s + window / 1e9:,.3f} s after the first arrival: "
+        f"window {start_s:,.3f} s .. {end_s:,.3f} s after the run's start (first tokens in "
+        f"it): "
         f"{int(tok[worst]):,} recomputed tokens / {window / 1e9:,.3f} s = "
         f"{rate[worst]:,.0f} tokens/s vs a median of {median:,.0f} tokens/s over {n_win} "
         f"windows ({_times(rate[worst], median)})",
@@ -197,17 +202,19 @@ def recompute_storm(ctx: Context) -> Finding | NotEvaluated | None:
               "median while the remote tier failed",
         evidence=evidence,
         next_step=("Every failed remote load became prefill work: look at the remote tier in "
-                   "that window (`kvscope timeline RUN -o storm.json --window "
-                   f"{start_s:.3f}:{start_s + window / 1e9:.3f}`), raise the remote load "
+                   "that window (`"
+                   + ctx.timeline_command("storm.json", examples, window=(start_s, end_s))
+                   + "`), raise the remote load "
                    "timeout if loads timed out, and stop promising remote hits at lookup while "
                    "the circuit breaker is open."),
         metrics={"window_ns": int(window), "windows": n_win, "storm_windows": int(storm.sum()),
                  "worst_window_start_ns": int(t0 + worst * window),
+                 "worst_window_start_s": start_s,
                  "worst_tokens_per_s": float(rate[worst]), "median_tokens_per_s": median,
                  "worst_failed_tokens": int(fail_tok[worst]),
                  "worst_failure_events": int(ev_count[worst]),
                  "circuit_open_events": int(open_count[storm].sum())},
-        requests=ctx.examples(in_worst, ctx.tokens("recomputed_tokens")),
+        requests=examples,
     )
 
 

@@ -456,7 +456,8 @@ def compute_plan(p: PlanInputs, *, rate_source: str = "--prefill-tokens-per-s") 
                      "device or host hit); reads and writes use opposite link directions.")
     if p.prefill_tokens_per_s is not None:
         sections.append(_break_even_section(p, lay, rate_source))
-        notes.append("Recompute time is linear in tokens at the given mean prefill rate; "
+        notes.append("Recompute time is linear in tokens at the given per-token rate (from "
+                     "--from-run: the marginal cost per scheduled token fitted on its steps); "
                      "attention's quadratic term makes long prefixes dearer to recompute, so "
                      "the break-even is conservative for loading.")
     if lay.copies > 1:

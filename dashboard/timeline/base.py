@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 
 from agent.errors import InputError
+from analyzers import timebase
 
 if TYPE_CHECKING:
     from agent.runstore.reader import RunStore
@@ -96,19 +97,8 @@ class Clock:
 
 
 def run_origin_ns(run: RunStore) -> int:
-    """The trace's time origin: the run's start, or the earliest recorded time if earlier."""
-    candidates: list[int] = []
-    start = run.meta.get("start_ns")
-    if isinstance(start, int):
-        candidates.append(start)
-    for table, col in (("requests", "arrival_ns"), ("spans", "start_ns"),
-                       ("samples", "ts_ns"), ("events", "ts_ns")):
-        t = run.tables[table]
-        if t.num_rows:
-            candidates.append(int(np.min(t[col].to_numpy())))
-    if not candidates:
-        raise InputError(f"{run.path}: run.json has no start_ns and the run holds no rows")
-    return min(candidates)
+    """The trace's time origin: the run's start (`analyzers.timebase`, the one time base)."""
+    return timebase.run_origin_ns(run.meta, run)
 
 
 def present(v: Any) -> bool:

@@ -8,7 +8,9 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
+
+import numpy as np
 
 from agent.errors import InputError
 from dashboard.timeline import run_tracks
@@ -85,8 +87,46 @@ def _merge(paths: Sequence[str | os.PathLike[str]], clock: Clock) -> _Merged:
     return out
 
 
+class _Selected:
+    """A run store narrowed to some requests: their rows, their spans, the transfers they
+    waited on and their events; the engine's own tracks (steps, counters) are kept whole."""
+
+    def __init__(self, run: RunStore, ids: Sequence[str]) -> None:
+        self._run = run
+        want = list(dict.fromkeys(ids))
+        req = run.requests
+        known = set(req["request_id"].astype(object).tolist())
+        missing = [i for i in want if i not in known]
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more"
+                                              if len(missing) > 5 else "")
+            raise InputError(f"--requests: {run.path} has no request {shown} "
+                             f"({len(known):,} requests in the run)")
+        sel = set(want)
+        self.requests = req[req["request_id"].isin(sel)]
+        sp = run.spans
+        mine = sp["request_id"].isin(sel).to_numpy(bool)
+        waited: set[int] = set()
+        states = sp[mine & (sp["kind"] == "state").to_numpy(bool)]
+        for w in states["waits_on"].tolist():
+            if w is not None and len(w):
+                waited.update(int(x) for x in w)
+        tid = sp["transfer_id"]
+        shared = ((sp["kind"] == "activity") & tid.notna()
+                  & tid.isin(list(waited))).to_numpy(bool) if waited else \
+            np.zeros(len(sp), bool)
+        engine = (sp["kind"] == "step").to_numpy(bool)
+        self.spans = sp[mine | shared | engine]
+        ev = run.events
+        self.events = ev[ev["request_id"].isna() | ev["request_id"].isin(sel)]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._run, name)
+
+
 def build_trace(run: RunStore, *, window: Window | None = None,
-                merge: Sequence[str | os.PathLike[str]] = ()) -> dict[str, Any]:
+                merge: Sequence[str | os.PathLike[str]] = (),
+                requests: Sequence[str] | None = None) -> dict[str, Any]:
     """The Chrome/Perfetto trace of a run (see the package docstring for the layout).
 
     Args:
@@ -94,12 +134,16 @@ def build_trace(run: RunStore, *, window: Window | None = None,
         window: keep only what overlaps this window (seconds since the run's start).
         merge: Kineto traces (.json, .json.gz) and Nsight Systems SQLite exports to place on
             the same clock; the format is detected from the content.
+        requests: show only these requests (their tracks, the transfers they waited on and
+            their events; steps and counters stay); InputError for an id the run lacks.
 
     Returns:
         `{"traceEvents": [...], "displayTimeUnit": "ns", "otherData": {...}}`;
         `otherData.merge_notes` says what could not be aligned.
     """
     origin = run_origin_ns(run)
+    if requests is not None:
+        run = cast("RunStore", _Selected(run, requests))
     clock = Clock(origin, *(window or Window()).bounds_ns(origin))
     tids = run_tracks.request_tids(run)
     req_events, req_tracks, states = run_tracks.requests(run, tids, clock)
@@ -120,6 +164,7 @@ def build_trace(run: RunStore, *, window: Window | None = None,
             "origin_epoch_ns": origin,
             "ts": "microseconds since origin_epoch_ns",
             "window_s": None if window is None else [window.start_s, window.end_s],
+            "requests": None if requests is None else list(dict.fromkeys(requests)),
             "merged": [str(p) for p in merge],
             "merge_notes": merged.notes,
             "gaps": list(run.gaps),
@@ -137,7 +182,8 @@ class TraceSummary:
 
 def write_trace(run_path: str | os.PathLike[str], out: str | os.PathLike[str], *,
                 window: Window | None = None,
-                merge: Sequence[str | os.PathLike[str]] = ()) -> TraceSummary:
+                merge: Sequence[str | os.PathLike[str]] = (),
+                requests: Sequence[str] | None = None) -> TraceSummary:
     """Read a run directory and write its trace JSON (gzip when `out` ends in .gz).
 
     Returns:
@@ -145,7 +191,7 @@ def write_trace(run_path: str | os.PathLike[str], out: str | os.PathLike[str], *
     """
     from agent.runstore.reader import open_run
 
-    trace = build_trace(open_run(run_path), window=window, merge=merge)
+    trace = build_trace(open_run(run_path), window=window, merge=merge, requests=requests)
     # NaN is not JSON: a null that slipped through must fail here, not in the viewer.
     text = json.dumps(trace, separators=(",", ":"), allow_nan=False)
     p = Path(out)

@@ -29,7 +29,9 @@ def main() -> None:
     if windows is None and not chosen:
         return
     st.plotly_chart(figures.hardware(windows if windows is not None else pd.DataFrame(),
-                                     series, chosen), key="hardware_chart")
+                                     series, chosen,
+                                     origin_ns=data.origin_ns(sel.path, sel.version)),
+                    key="hardware_chart")
     if len(series):
         sources = ", ".join(sorted(series["source"].unique()))
         st.caption(f"{len(series):,} samples from {sources}. Counters (`*_total`) are drawn "

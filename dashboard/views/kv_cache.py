@@ -63,13 +63,16 @@ def main() -> None:
     st.subheader("Block pool")
     pool = data.pool_states(sel.path, sel.version)
     if len(pool):
-        st.plotly_chart(figures.pool_states(pool), key="pool_states")
+        st.plotly_chart(figures.pool_states(pool, origin_ns=data.origin_ns(sel.path,
+                                                                           sel.version)),
+                        key="pool_states")
     else:
         common.missing("block-pool samples", run)
     st.subheader("Evictions")
     ev = data.events_named(sel.path, sel.version, "eviction")
     if len(ev):
-        st.plotly_chart(figures.event_counts(ev, title=f"{len(ev):,} eviction event(s)"),
+        st.plotly_chart(figures.event_counts(ev, title=f"{len(ev):,} eviction event(s)",
+                                             origin_ns=data.origin_ns(sel.path, sel.version)),
                         key="evictions")
         st.dataframe(ev.head(1000), hide_index=True, key="evictions_table")
     else:

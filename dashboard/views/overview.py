@@ -72,7 +72,9 @@ def main() -> None:
     if not summary.requests:
         st.warning("No request produced a first token: no TTFT to show.")
     else:
-        st.plotly_chart(figures.ttft_over_time(summary.windows), key="ttft_over_time")
+        st.plotly_chart(figures.ttft_over_time(summary.windows,
+                                               origin_ns=data.origin_ns(sel.path, sel.version)),
+                        key="ttft_over_time")
         group = st.radio("Break the stages down by", list(_GROUPINGS), horizontal=True,
                          key="overview_group")
         grouped = data.ttft_summary(sel.path, sel.version, by=_GROUPINGS[group])

@@ -54,8 +54,9 @@ class Request:
     """
 
     __slots__ = (
-        "acct", "admitted_hit_tokens", "arrival_ns", "block_hashes", "blocks", "cache_salt",
-        "finish_ns", "first_token_ns", "generator", "lookup_done_ns", "max_tokens",
+        "acct", "admission_loaded_tokens", "admitted_hit_tokens", "arrival_ns", "block_hashes",
+        "blocks", "cache_salt", "finish_ns", "first_token_ns", "generator", "lookup_done_ns",
+        "lookup_probes", "max_tokens",
         "namespace", "num_cached_blocks", "num_computed_tokens", "prompt_len", "request_id",
         "request_num", "sampling", "state", "status", "tenant", "tier", "token_ids",
         "workload_class",
@@ -86,9 +87,13 @@ class Request:
         self.state = -1  # the recorder state code this request is in (mirror; -1 = none)
         self.arrival_ns = 0
         self.lookup_done_ns = 0
+        #: The arrival lookup's probes: (tier, start_ns, end_ns, first block, blocks found).
+        self.lookup_probes: list[tuple[str, int, int, int, int]] = []
         self.first_token_ns = -1
         self.finish_ns = -1
         self.admitted_hit_tokens = 0
+        #: Tokens the latest admission loaded from the host/remote tiers (the lifecycle's).
+        self.admission_loaded_tokens = 0
         self.tier: TierPlan | None = None  # the tiers' plan for it (tiers.flow.TierFlow)
         self.acct = RequestAccounting(prompt_tokens=self.prompt_len)
 

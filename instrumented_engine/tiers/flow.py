@@ -127,8 +127,14 @@ class TierFlow:
             end = deadline if pending else Prefetcher.finished_at(plan)
             life.enter(req, QUEUE, min(now, end) if end >= 0 else now)
             plan.waited = True
-        Prefetcher.settle(req, plan)
+        self._abandoned(req, Prefetcher.settle(req, plan))
         return True
+
+    def _abandoned(self, req: Request, transfer_ids: list[int]) -> None:
+        """Ledger: the request stopped waiting for these reads of its own."""
+        if self.rec is not None:
+            for tid in transfer_ids:
+                self.rec.ledger("abandoned", req.request_num, tier="remote", transfer_id=tid)
 
     @staticmethod
     def any_ready(reqs: Any) -> bool:
@@ -176,25 +182,30 @@ class TierFlow:
         plan.payloads = []
 
     def admitted(self, req: Request, num_hit_blocks: int) -> None:
-        """(Scheduler, after allocation) copy the prepared blocks into the request's fresh
-        device blocks (its `h2d` state) and settle its accounting for this admission."""
+        """(Scheduler, after allocation) copy the prepared blocks into
+        the request's fresh device blocks (its `h2d` state) and settle its accounting for this
+        admission; the admission's ledger rows record what each block was."""
         plan = req.tier
         if plan is None:
             return
+        t = self.clock()
         n = len(plan.views)
+        tid = -1
         if n:
             assert self.staging is not None
             dest = [b.block_id for b in req.blocks[num_hit_blocks:num_hit_blocks + n]]
-            self._copy(req, plan, dest)
+            tid = self._copy(req, plan, dest)
         elif plan.waited and req.state == QUEUE:
             # Back in `queue` after its remote_read, maybe later than the step's start: it
             # enters `prefill` now (the engine's step-start transition could go back in time).
             self.life.enter(req, PREFILL)
         plan.waited = False
+        self._ledger(req, plan, num_hit_blocks, n, t, tid)
         self.life.loaded(req, self._loads(plan, num_hit_blocks, n))
         plan.stored = max(plan.stored, num_hit_blocks + n)
 
-    def _copy(self, req: Request, plan: TierPlan, dest: list[int]) -> None:
+    def _copy(self, req: Request, plan: TierPlan, dest: list[int]) -> int:
+        """Issue the H2D copy; returns its transfer id."""
         assert self.staging is not None
         life = self.life
         t0 = self.clock()
@@ -213,6 +224,7 @@ class TierFlow:
             plan.copy = copy
         else:
             self._copied(plan, copy)
+        return tid
 
     def _copied(self, plan: TierPlan, copy: H2DCopy) -> None:
         assert self.staging is not None
@@ -224,26 +236,83 @@ class TierFlow:
         plan.layer_wait_ns = copy.wait_ns
         plan.copy = None
 
-    def _loads(self, plan: TierPlan, hit: int, n: int) -> Loads:
-        """What this admission loaded: `n` blocks copied after `hit` device hits."""
-        bs = self.bs
-        lo, hi = plan.remote_lo, plan.remote_hi
-        st = plan.statuses
+    def _origin(self, plan: TierPlan, i: int) -> str:
+        """The tier chain position `i`, copied at admission, came from: the remote when it lies
+        in the remote promise and the read the request waited for brought it; else the host
+        pool (staging only ever holds remote blocks when there is no host tier)."""
         if self.host is None:
-            remote = n  # staging only ever holds remote blocks
-        else:
-            remote = sum(1 for i in range(hit, hit + n)
-                         if lo <= i < hi and st is not None and st[i - lo] is None)
-        pb = self.layout.payload_bytes
-        used = hit + n
+            return "remote"
+        lo, hi, st = plan.remote_lo, plan.remote_hi, plan.statuses
+        return ("remote" if lo <= i < hi and st is not None and st[i - lo] is None
+                else "host")
+
+    def _failure(self, plan: TierPlan, used: int) -> tuple[int, str]:
+        """Promised blocks this admission could not use (from where the chain stopped to the
+        end of the promise) and the reason of the block where it stopped."""
+        lo, hi, st = plan.remote_lo, plan.remote_hi, plan.statuses
         failed = max(0, hi - max(used, plan.promised_dev))
         reason = "evicted"
         if failed and lo <= used < hi and st is not None and st[used - lo] is not None:
             reason = st[used - lo]
-        return Loads(host_loaded_tokens=(n - remote) * bs, remote_loaded_tokens=remote * bs,
+        return failed, reason
+
+    def _loads(self, plan: TierPlan, hit: int, n: int) -> Loads:
+        """What this admission loaded: `n` blocks copied after `hit` device hits.
+
+        Promised (planned by this admission): the arrival's host and remote promises beyond
+        the device hits found at admission. Found: copied blocks outside their tier's promise.
+        """
+        bs = self.bs
+        pd, lo, hi = plan.promised_dev, plan.remote_lo, plan.remote_hi
+        remote = sum(1 for i in range(hit, hit + n) if self._origin(plan, i) == "remote")
+        host = n - remote
+        # Host blocks copied from inside the host promise (what is left of it after the device
+        # hits); the others were found there.
+        host_in_range = max(0, min(hit + n, lo) - max(hit, pd)) if self.host is not None else 0
+        remote_in_range = sum(1 for i in range(max(hit, lo), min(hit + n, hi))
+                              if self._origin(plan, i) == "remote")
+        failed, reason = self._failure(plan, hit + n)
+        pb = self.layout.payload_bytes
+        new_remote = plan.remote_nbytes - plan.booked_nbytes
+        new_staged = plan.staged_blocks - plan.booked_staged
+        plan.booked_nbytes, plan.booked_staged = plan.remote_nbytes, plan.staged_blocks
+        return Loads(host_hit_tokens=max(0, lo - max(hit, pd)) * bs,
+                     remote_hit_tokens=max(0, hi - max(hit, lo)) * bs,
+                     host_found_tokens=(host - host_in_range) * bs,
+                     remote_found_tokens=(remote - remote_in_range) * bs,
+                     host_loaded_tokens=host * bs, remote_loaded_tokens=remote * bs,
                      failed_tokens=failed * bs, failed_reason=reason,
-                     host_read_bytes=n * pb, remote_read_bytes=plan.remote_nbytes,
-                     h2d_bytes=n * pb, host_written_bytes=plan.staged_blocks * pb)
+                     host_read_bytes=host * pb, remote_read_bytes=new_remote,
+                     h2d_bytes=n * pb, host_written_bytes=new_staged * pb)
+
+    def _ledger(self, req: Request, plan: TierPlan, hit: int, n: int, t: int, tid: int) -> None:
+        """The admission's ledger, block by block: each copied block under the tier it came
+        from (runs of one tier become one row, with the bytes read from the host
+        pool), and the promised blocks it could not use, per tier, under the reason of the
+        block where the chain broke."""
+        rec = self.rec
+        if rec is None:
+            return
+        rn, bs, pb = req.request_num, self.bs, self.layout.payload_bytes
+        start = hit
+        for i in range(hit, hit + n + 1):
+            if i == hit + n or (i > start and self._origin(plan, i)
+                                != self._origin(plan, start)):
+                if i > start:
+                    k = i - start
+                    tier = self._origin(plan, start)
+                    rec.ledger("load", rn, t=t, tier=tier, tokens=k * bs,
+                               nbytes=k * pb if tier == "host" else 0, block=start,
+                               transfer_id=tid)
+                start = i
+        failed, reason = self._failure(plan, hit + n)
+        if failed:
+            first = max(hit + n, plan.promised_dev)
+            lo, hi = plan.remote_lo, plan.remote_hi
+            for tier, a, b in (("host", first, min(lo, hi)), ("remote", max(first, lo), hi)):
+                if b > a:
+                    rec.ledger(f"failed_{reason}", rn, t=t, tier=tier, tokens=(b - a) * bs,
+                               block=a)
 
     # ------------------------------------------------------------------ the step
     def before_forward(self, reqs: list[Request]) -> None:
@@ -267,17 +336,26 @@ class TierFlow:
         if writer is None:
             return
         pb, ob = self.layout.payload_bytes, self.layout.object_bytes
+        rec = self.rec
         for req, n in zip(reqs, num_new, strict=True):
             plan = req.tier
             if plan is None:
                 continue
             full = min((req.num_computed_tokens + n) // self.bs, len(req.block_hashes),
                        len(req.blocks))
+            queued = 0
             for i in range(plan.stored, full):
                 payload = gather_block(self.kv_caches, req.blocks[i].block_id)
                 if writer.submit(req.block_hashes[i], req.namespace, payload):
+                    queued += 1
                     self.life.wrote(req, host_bytes=pb if writer.host is not None else 0,
                                     remote_bytes=ob if writer.remote is not None else 0)
+            if queued and rec is not None:
+                for tier, nbytes, on in (("host", pb, writer.host), ("remote", ob, writer.remote)):
+                    if on is not None:
+                        rec.ledger("write", req.request_num, tier=tier,
+                                   tokens=queued * self.bs, nbytes=queued * nbytes,
+                                   block=plan.stored)
             plan.stored = max(plan.stored, full)
 
     # ------------------------------------------------------------------ status
@@ -335,6 +413,10 @@ class TierFlow:
         if plan.copy is not None:
             self.copier.wait(plan.copy)
             self._copied(plan, plan.copy)
+        if plan.reads:  # never admitted: its own reads are nobody's
+            self._abandoned(req, [r.transfer_id for r in plan.reads
+                                  if r.request_num == req.request_num])
+            plan.reads = []
         self.cancel(req)
 
     def flush(self) -> None:

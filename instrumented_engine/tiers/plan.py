@@ -44,8 +44,10 @@ class TierPlan:
     #: the reads this request waits for: its own and batch-mates' already in flight
     reads: list[Read] = field(default_factory=list)
     statuses: list[str | None] | None = None  # per remote-promised block, once read
-    remote_nbytes: int = 0
-    staged_blocks: int = 0
+    remote_nbytes: int = 0  # object bytes its own reads brought
+    staged_blocks: int = 0  # blocks its own reads wrote into staging
+    booked_nbytes: int = 0  # of those, already added to its accounting
+    booked_staged: int = 0
     views: list[BlockHash] = field(default_factory=list)  # acquired staging digests
     payloads: list[torch.Tensor] = field(default_factory=list)  # their slots
     copy: H2DCopy | None = None

@@ -119,21 +119,30 @@ class Prefetcher:
         return max(ends, default=-1)
 
     @staticmethod
-    def settle(req: Request, plan: TierPlan) -> None:
+    def settle(req: Request, plan: TierPlan) -> list[int]:
         """(Engine loop; never waits) fill `plan.statuses` (one per remote-promised block) from
-        the request's finished reads and its own read's byte and block counts; blocks of reads
-        still running are `timeout` (their deadline has passed)."""
+        the request's finished reads and its own reads' byte and staged-block counts; blocks of
+        reads still running are `timeout` (their deadline has passed).
+
+        Returns:
+            the transfer ids of the request's own reads it stopped waiting for (still running):
+            what they bring is the tier's traffic, booked to no request.
+        """
         status: dict[BlockHash, str | None] = {}
+        abandoned: list[int] = []
         for r in plan.reads:
+            own = r.request_num == req.request_num
             if not r.future.done():
                 sts: list[str | None] = ["timeout"] * len(r.hashes)
+                if own:
+                    abandoned.append(r.transfer_id)
             else:
                 try:
                     res = r.future.result()
                     sts = res.statuses
-                    if r.request_num == req.request_num:
+                    if own:
                         plan.remote_nbytes += res.nbytes
-                        plan.staged_blocks += res.loaded
+                        plan.staged_blocks += res.staged
                 except Exception:  # a bug below us: recompute rather than fail the request
                     log.exception("prefetch failed unexpectedly")
                     sts = ["error"] * len(r.hashes)
@@ -141,6 +150,7 @@ class Prefetcher:
         hashes = req.block_hashes[plan.remote_lo:plan.remote_hi]
         plan.statuses = [status.get(h, "error") for h in hashes]
         plan.reads = []
+        return abandoned
 
     def close(self) -> None:
         """Refuse new reads and wait for the running ones. Idempotent."""
@@ -197,4 +207,4 @@ def prefetch_into_host(remote: ResilientRemote, host: HostKVPool, block_hashes: 
 
     res.when_buffers_free(free_failed)
     return ReadResult(statuses, res.nbytes, res.transfer_id, res.start_ns, res.end_ns,
-                      res.pending)
+                      res.pending, staged=len(loaded))

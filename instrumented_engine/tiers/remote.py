@@ -84,6 +84,8 @@ class ReadResult:
         nbytes: object bytes read from the backend.
         transfer_id: the id of the `remote_read` activity span (-1 without a recorder).
         start_ns, end_ns: the operation's interval on the monotonic clock.
+        staged: blocks this read wrote into their destinations (for a prefetch, blocks that
+            were already in the host pool are loaded but not staged).
     """
 
     statuses: list[str | None]
@@ -92,6 +94,7 @@ class ReadResult:
     start_ns: int = 0
     end_ns: int = 0
     pending: Future[Any] | None = field(default=None, repr=False)
+    staged: int = 0
 
     @property
     def loaded(self) -> int:
@@ -323,7 +326,8 @@ class ResilientRemote:
             res = ReadResult([reason] * len(block_hashes), 0, transfer_id, t0, t1, pending)
         else:
             statuses, nbytes = value
-            res = ReadResult(statuses, nbytes, transfer_id, t0, t1)
+            res = ReadResult(statuses, nbytes, transfer_id, t0, t1,
+                             staged=sum(st is LOADED for st in statuses))
         # A read that reached the backend but returned an unusable object is a `checksum` (or,
         # for intact objects of another key, `mismatch`) outcome; a promised object that is
         # gone (`evicted`) is not a backend failure.

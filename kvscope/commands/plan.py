@@ -79,7 +79,7 @@ def plan(
         help="Recompute (prefill) throughput in tokens/s."),
     from_run: str | None = typer.Option(
         None, "--from-run", metavar="RUN", rich_help_panel=_BE,
-        help="Take the prefill rate measured in this run directory."),
+        help="Take the recompute cost fitted on this run directory's engine steps."),
     load_latency_ms: float | None = typer.Option(
         None, "--load-latency-ms", rich_help_panel=_BE,
         help="Fixed latency of one load, >= 0 (default: 0). Load bandwidth is the usable link "
@@ -125,7 +125,12 @@ def plan(
         measured = measured_prefill(from_run)
         inputs = replace(inputs, prefill_tokens_per_s=measured.tokens_per_s)
         rate_source = measured.describe()
+        differs = measured.model_differs(model)
+    else:
+        differs = None
     result = compute_plan(inputs, rate_source=rate_source)
+    if differs:
+        result.notes.insert(0, differs)
     rows = _input_rows(sources, given, inputs, from_run, result.to_dict())
     if output_format == "json":
         doc: dict[str, Any] = {

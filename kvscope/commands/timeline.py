@@ -14,6 +14,10 @@ def timeline(
     window: str | None = typer.Option(
         None, "--window",
         help="Keep only START:END seconds since the run's start (either side may be empty)."),
+    requests: list[str] | None = typer.Option(
+        None, "--requests",
+        help="Show only these requests (comma-separated ids, repeatable): their stages, the "
+             "transfers they waited on and their events; steps and counters stay."),
     merge: list[Path] | None = typer.Option(
         None, "--merge",
         help="A Kineto (PyTorch profiler) trace (.json or .json.gz) or an Nsight Systems "
@@ -28,7 +32,10 @@ def timeline(
     from dashboard.timeline import Window, write_trace
 
     win = Window.parse(window) if window is not None else None
-    summary = write_trace(run, out, window=win, merge=merge or ())
+    ids = None
+    if requests:
+        ids = [i.strip() for chunk in requests for i in chunk.split(",") if i.strip()]
+    summary = write_trace(run, out, window=win, merge=merge or (), requests=ids)
     total = sum(summary.counts.values())
     detail = ", ".join(f"{ph}={n}" for ph, n in sorted(summary.counts.items()))
     typer.echo(f"wrote {out}: {total} events ({detail})")

@@ -100,7 +100,7 @@ def test_accounting_fields_are_the_accounting_columns() -> None:
     acct = RequestAccounting(prompt_tokens=10, device_hit_tokens=4, host_loaded_tokens=3,
                              remote_loaded_tokens=2, recomputed_tokens=1)
     assert acct.identity_holds()
-    assert acct.values() == (10, 0, 0, 4, 0, 0, 3, 2, 1) + (0,) * 14
+    assert acct.values() == (10, 0, 0, 4, 0, 0, 0, 0, 3, 2, 1) + (0,) * 15
     assert not RequestAccounting(prompt_tokens=1).identity_holds()
 
 

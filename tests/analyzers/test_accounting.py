@@ -1,9 +1,10 @@
-"""Token accounting, the identity check, the layer table and the prefill rate (golden run)."""
+"""Token accounting, the identity check, the layer table and the time saved (golden run)."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -13,10 +14,10 @@ from analyzers.accounting import (
     Ratio,
     check_identity,
     layer_table,
-    prefill_rate,
     prefill_seconds_saved,
     token_accounting,
 )
+from analyzers.costmodel import StepCost, fit_step_cost
 from analyzers.ttft import partition
 from tests.conftest import GOLDEN_RUN
 
@@ -117,19 +118,22 @@ def test_layer_table(store: RunStore) -> None:
     assert (lt["identity_violations"] == 0).all()
 
 
-def test_prefill_rate_and_seconds_saved(store: RunStore) -> None:
-    want = EXPECTED["prefill_rate"]
-    rate = prefill_rate(store.requests, store.spans)
-    assert (rate.recomputed_tokens, rate.requests) == (want["recomputed_tokens"],
-                                                       want["requests"])
-    assert rate.prefill_seconds == want["prefill_ns"] / 1e9
-    assert rate.tokens_per_s == want["recomputed_tokens"] / (want["prefill_ns"] / 1e9)
+def test_seconds_saved_by_reuse_use_the_per_token_step_cost(store: RunStore) -> None:
+    cost = StepCost(fixed_ns=3e6, per_token_ns=50_000.0, fixed_ci_ns=(2.9e6, 3.1e6),
+                    per_token_ci_ns=(45_000.0, 56_000.0), steps=100, token_range=(2, 512))
     part = partition(store.requests, store.spans)
-    saved = prefill_seconds_saved(store.requests, rate, part)
+    saved = prefill_seconds_saved(store.requests, cost, part)
     reused = EXPECTED["seconds_saved"]["reused_tokens"]
-    assert saved.reused_tokens == reused
-    assert saved.gross_seconds == pytest.approx(reused / rate.tokens_per_s, rel=1e-12)
+    assert saved.reused_tokens == reused == 4352
+    # By hand: 4,352 tokens x 50 us = 0.2176 s (the fixed per-step cost is paid anyway).
+    assert saved.gross_seconds == pytest.approx(0.2176, rel=1e-12)
+    assert saved.gross_ci_seconds == pytest.approx((4352 * 45e-6, 4352 * 56e-6), rel=1e-12)
     assert saved.load_seconds == EXPECTED["seconds_saved"]["load_ns"] / 1e9
     assert saved.net_seconds == pytest.approx(saved.gross_seconds - saved.load_seconds)
-    assert saved.by_source["remote_loaded"]["tokens"] == 1024
-    assert prefill_seconds_saved(store.requests, rate).load_seconds is None
+    assert saved.by_source["remote_loaded"] == {"tokens": 1024,
+                                                "seconds": pytest.approx(1024 * 50e-6)}
+    assert prefill_seconds_saved(store.requests, cost).load_seconds is None
+    # Without a fitted model the saving is unknown, not zero.
+    none = fit_step_cost(store.spans.iloc[0:0])
+    assert not none.fitted and np.isnan(prefill_seconds_saved(store.requests, none)
+                                        .gross_seconds)

@@ -20,6 +20,7 @@ from agent.schema import (
     STATE_CODE,
 )
 from agent.telemetry import Recorder, RequestAccounting
+from analyzers.costmodel import StepCost
 from analyzers.diagnose import (
     RULES,
     DiagnoseConfig,
@@ -65,8 +66,14 @@ def imported(n: int, ttft_ns: int) -> tuple[Any, Any]:
 # --------------------------------------------------------------------------------------------
 
 
+#: Recomputing costs 100 us per token (10,000 tokens/s at the margin): the step cost model
+#: these runs' rules see (they carry no step spans of their own).
+COST = StepCost(fixed_ns=2e6, per_token_ns=100_000.0, fixed_ci_ns=(1.9e6, 2.1e6),
+                per_token_ci_ns=(95_000.0, 105_000.0), steps=120, token_range=(16, 1000))
+
+
 def _remote_run(short_read_ms: int) -> tuple[Any, Any]:
-    # Every request prefills 1,000 tokens in 100 ms: the run's rate is 10,000 tokens/s.
+    # Recomputing costs 100 us per token (`COST`).
     # r000-r003 load 500 tokens (50 ms to recompute), r004-r009 load 4,000 (400 ms).
     stages = [{"queue": MS, "remote_read": (short_read_ms if i < 4 else 100) * MS,
                "prefill": 100 * MS} for i in range(10)]
@@ -77,30 +84,32 @@ def _remote_run(short_read_ms: int) -> tuple[Any, Any]:
 
 
 def test_remote_load_slower_than_recompute_fires_with_break_even() -> None:
-    f = one("remote_load_slower_than_recompute", *_remote_run(80))
+    f = one("remote_load_slower_than_recompute", *_remote_run(80), cost=COST)
     assert isinstance(f, Finding)
     assert f.severity == "warning"
     assert f.evidence[0].startswith("4 / 10 requests that loaded remote KV (40.0 %)")
-    assert f.evidence[1] == ("measured prefill rate: 10,000 recomputed tokens / 1.000 s of "
-                             "prefill = 10,000 tokens/s (over 10 requests)")
+    assert f.evidence[1] == ("step cost model: 2.000 ms per step (95 % CI 1.900 .. 2.100) + "
+                             "100.000 us per scheduled token (95 % CI 95.000 .. 105.000; "
+                             "10,000 tokens/s), fitted on 120 steps of 16 to 1,000 tokens; "
+                             "recomputing a token costs 100.0 us")
     assert f.evidence[2] == ("the 4 losing requests: 320.0 ms loading vs 200.0 ms to recompute "
                              "their 2,000 loaded tokens (120.0 ms of TTFT lost to loading)")
     assert "at >= 4,000 loaded tokens loading won in 6 / 6 requests (100.0 %)" in f.evidence
     assert f.metrics["requests_lost"] == 4 and f.metrics["requests_loading"] == 10
-    assert f.metrics["prefill_tokens_per_s"] == 10_000.0
+    assert f.metrics["per_token_ns"] == 100_000.0
     assert f.metrics["break_even_tokens"] == 4000
     assert "shorter than 4,000 tokens" in f.next_step
     assert f.requests == ("r000", "r001", "r002", "r003")
 
 
 def test_remote_load_slower_than_recompute_quiet_when_loading_wins() -> None:
-    assert one("remote_load_slower_than_recompute", *_remote_run(10)) is None
+    assert one("remote_load_slower_than_recompute", *_remote_run(10), cost=COST) is None
 
 
 def test_remote_load_slower_than_recompute_critical_when_most_lose() -> None:
     stages = [{"remote_read": 80 * MS, "prefill": 100 * MS}] * 4
     acct = {"prompt_tokens": 1500, "remote_loaded_tokens": 500, "recomputed_tokens": 1000}
-    f = one("remote_load_slower_than_recompute", *build(stages, acct))
+    f = one("remote_load_slower_than_recompute", *build(stages, acct), cost=COST)
     assert isinstance(f, Finding) and f.severity == "critical"
     assert f.metrics["break_even_tokens"] is None
     assert "Loading lost at every prefix length" in f.next_step
@@ -252,7 +261,8 @@ def test_recompute_storm_fires_with_breaker() -> None:
     cfg = DiagnoseConfig(storm_window_ns=500 * MS)
     f = one("recompute_storm", req, spans, events=ev, config=cfg)
     assert isinstance(f, Finding) and f.severity == "critical"
-    assert f.evidence[0] == ("window +2.000 s .. +2.500 s after the first arrival: 10,000 "
+    assert f.evidence[0] == ("window 2.000 s .. 2.500 s after the run's start (first tokens "
+                             "in it): 10,000 "
                              "recomputed tokens / 0.500 s = 20,000 tokens/s vs a median of "
                              "1,000 tokens/s over 8 windows (20.0x)")
     assert f.evidence[2] == ("in that window 5 / 5 requests (100.0 %) had failed remote loads "
@@ -556,7 +566,7 @@ def test_hardware_rules_on_recorder_frames() -> None:
 def test_partly_known_accounting_is_counted_over_known_requests_only() -> None:
     req, spans = _remote_run(80)
     req.loc[5:, "remote_loaded_tokens"] = pd.NA  # an import that knows half the requests
-    rep = diagnose_report(req, spans)
+    rep = diagnose_report(req, spans, cost=COST)
     assert [f.rule for f in rep.findings] == ["remote_load_slower_than_recompute"]
     f = rep.findings[0]
     assert f.evidence[0].startswith("4 / 5 requests that loaded remote KV (80.0 %)")

@@ -441,43 +441,39 @@ def test_command_and_arithmetic_import_without_pandas() -> None:
 
 # ---- --from-run -----------------------------------------------------------------------------
 
-def _write_run(path: Path) -> None:
-    """Two requests, each recomputing at 10,000 tokens/s: 1,000 tokens in 100 ms of prefill
-    and 3,000 tokens in 300 ms (after 50 ms of lookup and queue)."""
+def _write_run(path: Path, model: dict | None = None) -> None:
+    """Twelve prefill steps whose compute time is exactly 2 ms + 100 us per scheduled token
+    (10,000 tokens/s at the margin), and a decode step that must not enter the fit; run.json
+    names the model the run served when `model` is given."""
     from agent.runstore import RunStoreWriter
-    from agent.schema import ACCOUNTING_COLUMNS, TABLES
+    from agent.schema import TABLES
 
     t0 = 1_700_000_000_000_000_000
-    reqs, spans = [], []
-    for i, (tokens, prefill_ns) in enumerate([(1000, 100_000_000), (3000, 300_000_000)]):
-        rid, arrival = f"r{i}", t0 + i * 1_000_000_000
-        first = arrival + 50_000_000 + prefill_ns
-        reqs.append({**dict.fromkeys(ACCOUNTING_COLUMNS, 0), "request_id": rid,
-                     "request_num": i, "arrival_ns": arrival, "first_token_ns": first,
-                     "finish_ns": first + 1_000_000, "status": "ok", "prompt_tokens": tokens,
-                     "output_tokens": 1, "lookup_tokens": tokens - 1,
-                     "recomputed_tokens": tokens})
-        for name, start, end in [("lookup", arrival, arrival + 10_000_000),
-                                 ("queue", arrival + 10_000_000, arrival + 50_000_000),
-                                 ("prefill", arrival + 50_000_000, first),
-                                 ("decode", first, first + 1_000_000)]:
-            spans.append({"request_id": rid, "request_num": i, "kind": "state", "name": name,
-                          "start_ns": start, "end_ns": end, "clock": "cpu"})
-    w = RunStoreWriter(path, config={"test": "plan --from-run"})
-    w.write("requests", pa.Table.from_pylist(reqs, schema=TABLES["requests"]))
+    spans = []
+    steps = [(tok, 1) for tok in (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512)]
+    steps.append((4, 4))  # four decodes: one token each, another attention path
+    t = t0
+    for sid, (tokens, batch) in enumerate(steps):
+        total = 2_000_000 + 100_000 * tokens if batch < tokens else 50_000_000
+        for name, share in (("schedule", 0), ("prepare", 1), ("forward", 8), ("sample", 1)):
+            dur = 300_000 if name == "schedule" else total * share // 10
+            spans.append({"kind": "step", "name": name, "start_ns": t, "end_ns": t + dur,
+                          "tokens": tokens, "step_id": sid, "batch_requests": batch,
+                          "clock": "cpu"})
+            t += dur
+    config: dict = {"test": "plan --from-run"}
+    if model is not None:
+        config["engine"] = {"model": model}
+    w = RunStoreWriter(path, config=config)
     w.write("spans", pa.Table.from_pylist(spans, schema=TABLES["spans"]))
     w.close()
 
 
-def test_from_run_takes_the_measured_prefill_rate(capsys: pytest.CaptureFixture[str],
+def test_from_run_takes_the_fitted_per_token_cost(capsys: pytest.CaptureFixture[str],
                                                   tmp_path: Path) -> None:
-    try:
-        from analyzers.accounting import prefill_rate  # noqa: F401
-    except ImportError as exc:
-        pytest.skip(f"analyzers.accounting.prefill_rate not available yet ({exc}); "
-                    "--from-run needs it")
     run = tmp_path / "run"
-    _write_run(run)
+    _write_run(run, {"model_id": "meta-llama/Llama-3.1-8B", "num_layers": 32,
+                     "num_kv_heads": 8, "head_dim": 128})
     code, out, err = run_cli(capsys, *FLAGS, "--tp", "4", "--prefix-tokens", "4000",
                              "--link-gbps", "100", "--link-efficiency", "0.8",
                              "--load-latency-ms", "1", "--from-run", str(run), "--format", "json")
@@ -487,5 +483,30 @@ def test_from_run_takes_the_measured_prefill_rate(capsys: pytest.CaptureFixture[
     # 1 ms ÷ (100 µs − 13.1072 µs) = 11.5 → 12 tokens.
     assert doc["break_even"]["break_even_tokens"] == 12
     assert doc["inputs"]["prefill_tokens_per_s"]["source"] == f"--from-run {run}"
+    assert not any("another model" in n for n in doc["notes"])
     code, out, _ = run_cli(capsys, *FLAGS, "--link-gbps", "100", "--from-run", str(run))
-    assert code == 0 and "4,000 recomputed tokens" in out
+    assert code == 0 and "100.000 us per scheduled token" in out and "over 12 steps" in out
+
+
+def test_from_run_says_when_the_run_served_another_model(capsys: pytest.CaptureFixture[str],
+                                                         tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _write_run(run, {"model_id": "kvscope/small", "num_layers": 4, "num_kv_heads": 2,
+                     "head_dim": 32})
+    code, out, _ = run_cli(capsys, *FLAGS, "--link-gbps", "100", "--from-run", str(run),
+                           "--format", "json")
+    assert code == 0
+    notes = [n for n in json.loads(out)["notes"] if "another model" in n]
+    assert len(notes) == 1
+    assert "kvscope/small" in notes[0] and "layers 4 vs 32" in notes[0]
+    assert "KV heads 2 vs 8" in notes[0] and "head size 32 vs 128" in notes[0]
+
+
+def test_from_run_without_enough_steps_is_one_clear_error(capsys: pytest.CaptureFixture[str],
+                                                          tmp_path: Path) -> None:
+    from agent.runstore import RunStoreWriter
+
+    run = tmp_path / "empty"
+    RunStoreWriter(run, config={}).close()
+    code, _, err = run_cli(capsys, *FLAGS, "--link-gbps", "100", "--from-run", str(run))
+    assert code == 2 and "no recompute cost to take" in err and len(err.splitlines()) == 1

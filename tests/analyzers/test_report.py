@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -45,13 +46,14 @@ def test_json_report_layout(report: Report) -> None:
     doc = json.loads(render(report, "json"))
     assert doc["kvscope_report"] == REPORT_VERSION
     assert list(doc) == ["kvscope_report", "run", "ttft", "partition_violations", "accounting",
-                         "layers", "prefill", "findings", "diagnoses"]
+                         "consistency", "layers", "prefill", "findings", "diagnoses"]
     assert doc["run"]["run_id"] == "golden" and doc["run"]["requests"] == 10
     ttft = {r["stage"]: r for r in doc["ttft"]["stages"]}
     assert ttft["ttft"]["p99_ns"] == 44_334_400.0 and ttft["queue"]["total_ns"] == 25_325_000
     hit = next(r for r in doc["accounting"]["ratios"] if r["key"] == "token_hit_share")
     assert (hit["numerator"], hit["denominator"], hit["unit"]) == (4352, 12032, "lookup tokens")
-    assert doc["prefill"]["rate"]["recomputed_tokens"] == 6208
+    assert set(doc["prefill"]) == {"cost", "saved"}
+    assert doc["prefill"]["saved"]["reused_tokens"] == 4352
     assert [f["rule"] for f in doc["findings"]] == ["recompute_storm", "promised_hits_evicted"]
     assert doc["partition_violations"] == []
 
@@ -76,3 +78,77 @@ def test_diagnoses_follow_the_checks() -> None:
 def test_grouped_report(report: Report) -> None:
     text = render(build_report(open_run(GOLDEN_RUN), by="tenant"), "text")
     assert "  tenant  stage" in text and "  globex  TTFT" in text
+
+
+def _timeline_requests(trace_path: Path) -> set[str]:
+    doc = json.loads(trace_path.read_text())
+    return {e["args"]["request_id"] for e in doc["traceEvents"]
+            if e.get("cat") == "kvscope.stage"}
+
+
+def _timeline_commands(text: str) -> list[list[str]]:
+    import re
+    import shlex
+
+    return [shlex.split(c) for c in re.findall(r"`(kvscope timeline [^`]+)`", text)]
+
+
+def _run_timeline(argv: list[str], out: Path) -> int:
+    from kvscope.cli import main
+
+    i = argv.index("-o")
+    argv = [*argv[1:i], "-o", str(out), *argv[i + 2:]]
+    return main(argv)
+
+
+def test_every_next_step_command_selects_exactly_its_evidence_requests(tmp_path: Path) -> None:
+    run = open_run(GOLDEN_RUN)
+    rep = build_report(run)
+    assert rep.diagnoses is not None
+    checked = 0
+    for f in rep.diagnoses.findings:
+        for argv in _timeline_commands(f.next_step):
+            assert argv[2] == str(GOLDEN_RUN)  # the run itself, ready to paste
+            out = tmp_path / f"{f.rule}-{checked}.json"
+            assert _run_timeline(argv, out) == 0
+            assert _timeline_requests(out) == set(f.requests), f.rule
+            checked += 1
+            if "--window" in argv:
+                # The window is on the report's time base: the evidence requests' first tokens
+                # (the storm's binning) lie inside it.
+                lo, hi = (float(x) for x in argv[argv.index("--window") + 1].split(":"))
+                origin = run.meta["start_ns"]
+                ft = run.requests.set_index("request_id").loc[list(f.requests),
+                                                              "first_token_ns"]
+                secs = (ft.astype("int64") - origin) / 1e9
+                assert ((secs >= lo - 5e-4) & (secs < hi + 5e-4)).all(), (f.rule, lo, hi)
+    assert checked >= 1
+    # The comparison can fail: a command that keeps everything selects other requests.
+    everything = tmp_path / "all.json"
+    assert _run_timeline(["kvscope", "timeline", str(GOLDEN_RUN), "-o", "x", "--window",
+                          "0:"], everything) == 0
+    storm = next(f for f in rep.diagnoses.findings if f.rule == "recompute_storm")
+    assert _timeline_requests(everything) != set(storm.requests)
+    assert _timeline_requests(everything) == set(run.requests["request_id"])
+
+
+def test_one_time_base_for_windows_and_findings() -> None:
+    run = open_run(GOLDEN_RUN)
+    rep = build_report(run)
+    text = render(rep, "text")
+    origin = run.meta["start_ns"]
+    assert rep.run["origin_ns"] == origin
+    w = rep.ttft.windows
+    # Windows count from the run's start, in whole windows, printed with their unit.
+    assert ((w["window_start_ns"] - origin) % rep.ttft.window_ns == 0).all()
+    assert list(w["window_start_s"]) == list((w["window_start_ns"] - origin) / 1e9)
+    lines = text.splitlines()
+    head = next(i for i, ln in enumerate(lines) if "window start (since run start)" in ln)
+    starts = [ln.split()[0:2] for ln in lines[head + 1:head + 1 + len(w)]]
+    assert starts[0] == ["0", "s"]  # never a bare "0"
+    assert [f"{a} {b}" for a, b in starts[1:]] == [f"{x:,.3f} s" for x in
+                                                   w["window_start_s"].iloc[1:]]
+    storm = next(f for f in rep.diagnoses.findings if f.rule == "recompute_storm")
+    start_s = storm.metrics["worst_window_start_s"]
+    assert storm.metrics["worst_window_start_ns"] == origin + round(start_s * 1e9)
+    assert f"window {start_s:,.3f} s .. " in storm.evidence[0]

@@ -84,12 +84,29 @@ def test_golden_events_and_request_detail() -> None:
 def test_figures_draw_empty_inputs() -> None:
     empty_windows = pd.DataFrame(columns=["window_start_ns", "ttft_p50_ns", "ttft_p90_ns",
                                           "ttft_p99_ns"])
-    assert len(figures.ttft_over_time(empty_windows).data) == 3
+    assert len(figures.ttft_over_time(empty_windows, origin_ns=0).data) == 3
     samples = pd.DataFrame(columns=list(TABLES["samples"].names))
-    fig = figures.hardware(empty_windows, samples, [])
+    fig = figures.hardware(empty_windows, samples, [], origin_ns=0)
     assert fig.layout.title.text == "Hardware and TTFT on one time axis"
     spans = pd.DataFrame(columns=list(TABLES["spans"].names))
     assert figures.request_waterfall(spans, 0, title="r").layout.title.text == "r (no spans)"
+
+
+def test_time_charts_count_seconds_from_the_runs_start() -> None:
+    """The dashboard's time axes are the report's: seconds since run.json's start_ns."""
+    from agent.runstore import open_run
+    from analyzers.ttft import partition, summarize
+    from tests.conftest import GOLDEN_RUN
+
+    run = open_run(GOLDEN_RUN)
+    origin = run.meta["start_ns"]
+    windows = summarize(partition(run.requests, run.spans), origin_ns=origin).windows
+    fig = figures.ttft_over_time(windows, origin_ns=origin)
+    assert list(fig.data[0].x) == list(windows["window_start_s"])
+    assert fig.data[0].x[0] == 0.0 and fig.layout.xaxis.title.text == figures.TIME_AXIS
+    ev = run.events
+    hist = figures.event_counts(ev, title="e", origin_ns=origin)
+    assert list(hist.data[0].x) == list((ev["ts_ns"].astype("int64") - origin) / 1e9)
 
 
 def test_stage_breakdown_stacks_every_stage_in_ms() -> None:

@@ -269,7 +269,8 @@ def _span(request_id: str | None, num: int | None, kind: str, name: str, start: 
     return {"request_id": request_id, "request_num": num, "kind": kind, "name": name,
             "start_ns": start, "end_ns": end, "tier": tier, "layer": None, "tokens": tokens,
             "bytes": nbytes, "step_id": step_id, "transfer_id": transfer_id,
-            "waits_on": waits_on, "clock": "cpu", "batch_requests": batch_requests}
+            "waits_on": waits_on, "clock": "cpu", "batch_requests": batch_requests,
+            "block": None}
 
 
 def build(path: Path) -> Path:

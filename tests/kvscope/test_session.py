@@ -10,6 +10,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pyarrow.compute as pc
 import pytest
@@ -187,3 +188,43 @@ def test_existing_run_directory_is_refused(tmp_path: Path,
     rc = main(["run", "--model", "tiny", "-n", "1", "--metrics-port", "0", "-q", "--out",
                str(out)])
     assert rc == 2 and "already holds a run" in capsys.readouterr().err
+
+
+def test_exported_preemptions_equal_the_engines_after_the_last_request(tmp_path: Path) -> None:
+    """A preemption-heavy run scraped over HTTP after its last request (during
+    --metrics-linger): kvscope_preemptions_total is the engine's count, once (not the live
+    counter plus the one derived from rows)."""
+    import threading
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    port = free_port()
+    out = tmp_path / "run"
+    opts = RunOptions(out=out, model="tiny", num_requests=24, rate=0, num_blocks=48,
+                      max_num_seqs=16, metrics_port=port, metrics_linger=6.0,
+                      collectors=False, threads=1)
+    done: list[Any] = []
+    t = threading.Thread(target=lambda: done.append(run_session(opts)), daemon=True)
+    t.start()
+    meta = out / "run.json"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        if meta.exists() and json.loads(meta.read_text()).get("summary") is not None:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the run did not finish")
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    t.join(timeout=60)
+    assert done, "run_session did not return"
+    values = [s.value for fam in text_string_to_metric_families(text)
+              for s in fam.samples if s.name == "kvscope_preemptions_total"]
+    run = open_run(out)
+    engine = int(run.requests["num_preemptions"].sum())
+    events = int((run.events["name"] == "preemption").sum())
+    assert engine > 0 and engine == events
+    assert values == [float(engine)]
+    finished = [s.value for fam in text_string_to_metric_families(text)
+                for s in fam.samples if s.name == "kvscope_requests_total"]
+    assert sum(finished) == 24

@@ -8,7 +8,6 @@ from instrumented_engine.core.block_hash import namespace_digest
 from instrumented_engine.core.block_pool import BlockPool, FreeBlockQueue, KVBlock
 from instrumented_engine.core.kv_cache_manager import KVCacheManager
 from instrumented_engine.core.request import Request, SamplingParams
-from instrumented_engine.lifecycle import lookup_tokens
 
 BS = 4
 NS = namespace_digest({"model_id": "m", "revision": "r", "dtype": "float32", "adapter_id": ""})
@@ -178,10 +177,3 @@ def test_free_queue_rejects_misuse() -> None:
         q.popleft()
     with pytest.raises(RuntimeError, match="not in the free queue"):
         q.remove(KVBlock(3))
-
-
-@pytest.mark.parametrize(("prompt", "expected"), [(1, 0), (4, 3), (5, 4), (8, 7), (9, 8),
-                                                  (100, 99)])
-def test_lookup_tokens_is_full_blocks_capped_at_prompt_minus_one(prompt: int,
-                                                                 expected: int) -> None:
-    assert lookup_tokens(prompt, BS) == expected

@@ -1,0 +1,191 @@
+"""The run's step cost model: a fixed cost per engine step plus a cost per scheduled token.
+
+A request's prefill time includes its batch-mates' tokens and every step's fixed overhead, so
+"recomputed tokens / prefill seconds" swings with how few tokens were recomputed (the fixed
+cost dominates) and cannot be compared between runs. The engine's step spans carry each step's
+scheduled tokens and duration, so the cost is fitted there:
+
+    step compute time (prepare + forward + sample) = fixed_ns + per_token_ns * tokens
+
+over the steps that computed prompt tokens (decode-only steps run another attention path),
+robustly (Theil–Sen: the median of pairwise slopes, then the median intercept; a few steps
+slowed by a GC pause or a page fault do not move it), with a bootstrap interval over steps.
+Recomputing N tokens costs about ``N * per_token_ns`` (the fixed cost is paid by the step
+anyway): the figure behind the time-saved line, ``remote_load_slower_than_recompute`` and
+``kvscope plan --from-run``. A linear model: attention's quadratic term makes very long prompts
+somewhat dearer than it says.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from analyzers import frames as F
+
+__all__ = ["COMPUTE_PHASES", "StepCost", "fit_step_cost"]
+
+#: The step phases whose time scales with the scheduled tokens (`schedule` is admission
+#: work: lookups, copies, allocation).
+COMPUTE_PHASES: tuple[str, ...] = ("prepare", "forward", "sample")
+#: Pairs used per Theil–Sen fit (all pairs when fewer): bounds the cost on long runs.
+_MAX_PAIRS = 60_000
+_N_BOOT = 300
+_CONFIDENCE = 0.95
+#: Steps needed (with at least two distinct token counts) before a model is fitted.
+MIN_STEPS = 8
+
+
+@dataclass(slots=True, frozen=True)
+class StepCost:
+    """A fitted step cost model (`fit_step_cost`).
+
+    Attributes:
+        fixed_ns, per_token_ns: the estimates (ns per step, ns per scheduled token); NaN when
+            not fitted.
+        fixed_ci_ns, per_token_ci_ns: their bootstrap intervals at `confidence`.
+        steps: steps the fit used; `token_range`: their smallest and largest token counts.
+        reason: why no model was fitted (empty when one was).
+    """
+
+    fixed_ns: float
+    per_token_ns: float
+    fixed_ci_ns: tuple[float, float]
+    per_token_ci_ns: tuple[float, float]
+    steps: int
+    token_range: tuple[int, int]
+    confidence: float = _CONFIDENCE
+    method: str = "theil-sen"
+    reason: str = ""
+
+    @property
+    def fitted(self) -> bool:
+        return not self.reason
+
+    @property
+    def tokens_per_s(self) -> float:
+        """The marginal recompute rate, 1 / per-token cost."""
+        return 1e9 / self.per_token_ns if self.fitted and self.per_token_ns > 0 else float("nan")
+
+    @property
+    def per_token_half_width(self) -> float:
+        """Half the per-token interval's width over the estimate (NaN when not fitted)."""
+        lo, hi = self.per_token_ci_ns
+        return (hi - lo) / 2 / self.per_token_ns if self.fitted and self.per_token_ns else \
+            float("nan")
+
+    def recompute_ns(self, tokens: np.ndarray | int) -> np.ndarray | float:
+        """What recomputing `tokens` adds to the steps that compute them (ns)."""
+        return np.asarray(tokens, dtype=np.float64) * self.per_token_ns
+
+    def describe(self) -> str:
+        """One line: both parameters with their intervals and the steps behind them."""
+        if not self.fitted:
+            return f"not fitted ({self.reason})"
+        (flo, fhi), (plo, phi) = self.fixed_ci_ns, self.per_token_ci_ns
+        pct = round(100 * self.confidence)
+        return (f"{self.fixed_ns / 1e6:,.3f} ms per step ({pct} % CI {flo / 1e6:,.3f} .. "
+                f"{fhi / 1e6:,.3f}) + {self.per_token_ns / 1e3:,.3f} us per scheduled token "
+                f"({pct} % CI {plo / 1e3:,.3f} .. {phi / 1e3:,.3f}; "
+                f"{self.tokens_per_s:,.0f} tokens/s), fitted on {self.steps:,} steps of "
+                f"{self.token_range[0]:,} to {self.token_range[1]:,} tokens")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"fixed_ns": self.fixed_ns, "per_token_ns": self.per_token_ns,
+                "fixed_ci_ns": list(self.fixed_ci_ns),
+                "per_token_ci_ns": list(self.per_token_ci_ns), "steps": self.steps,
+                "token_range": list(self.token_range), "confidence": self.confidence,
+                "method": self.method, "tokens_per_s": self.tokens_per_s,
+                "reason": self.reason or None}
+
+
+def _unfitted(reason: str, steps: int = 0) -> StepCost:
+    nan = float("nan")
+    return StepCost(nan, nan, (nan, nan), (nan, nan), steps, (0, 0), reason=reason)
+
+
+def step_samples(spans: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """Per engine step that computed prompt tokens: (scheduled tokens, compute time in ns),
+    from the step spans.
+
+    A step whose every request computed one token (``tokens <= batch_requests``: decodes, or
+    one-token prefill tails) runs the batched single-token attention path and says nothing
+    about what recomputing a prefix costs; it is left out (`fit_step_cost` counts it).
+    """
+    if not len(spans) or "kind" not in spans:
+        return np.zeros(0, np.int64), np.zeros(0, np.float64)
+    st = spans.loc[F.equals(spans["kind"], "step")]
+    if not len(st) or "step_id" not in st:
+        return np.zeros(0, np.int64), np.zeros(0, np.float64)
+    st = st.loc[st["name"].isin(COMPUTE_PHASES) & st["step_id"].notna() & st["tokens"].notna()]
+    if not len(st):
+        return np.zeros(0, np.int64), np.zeros(0, np.float64)
+    dur = F.ints(st["end_ns"], 0) - F.ints(st["start_ns"], 0)
+    g = pd.DataFrame({"step": F.ints(st["step_id"]), "tokens": F.ints(st["tokens"], 0),
+                      "ns": dur}).groupby("step", sort=True)
+    if "batch_requests" in st:
+        g = pd.DataFrame({"step": F.ints(st["step_id"]), "tokens": F.ints(st["tokens"], 0),
+                          "batch": F.ints(st["batch_requests"], 0), "ns": dur}
+                         ).groupby("step", sort=True)
+        agg = g.agg(tokens=("tokens", "max"), batch=("batch", "max"), ns=("ns", "sum"))
+        agg = agg[agg["tokens"] > agg["batch"]]
+    else:
+        agg = g.agg(tokens=("tokens", "max"), ns=("ns", "sum"))
+    agg = agg[(agg["tokens"] > 0) & (agg["ns"] > 0)]
+    return agg["tokens"].to_numpy(np.int64), agg["ns"].to_numpy(np.float64)
+
+
+def _theil_sen(x: np.ndarray, y: np.ndarray, rng: np.random.Generator) -> tuple[float, float]:
+    n = len(x)
+    if n * (n - 1) // 2 <= _MAX_PAIRS:
+        i, j = np.triu_indices(n, 1)
+    else:
+        i = rng.integers(0, n, _MAX_PAIRS)
+        j = rng.integers(0, n, _MAX_PAIRS)
+    dx = x[j] - x[i]
+    keep = dx != 0
+    if not keep.any():
+        return float("nan"), float("nan")
+    slope = float(np.median((y[j] - y[i])[keep] / dx[keep]))
+    return slope, float(np.median(y - slope * x))
+
+
+def fit_step_cost(spans: pd.DataFrame, *, seed: int = 0, n_boot: int = _N_BOOT) -> StepCost:
+    """Fit the run's step cost model on its step spans.
+
+    Args:
+        spans: the run store's ``spans`` frame.
+        seed: the bootstrap's seed (the fit is deterministic for a given run and seed).
+        n_boot: bootstrap resamples.
+
+    Returns:
+        a `StepCost` (with `reason` set when the run has too few steps, or a single token
+        count, to fit both parameters).
+    """
+    tokens, ns = step_samples(spans)
+    n = len(tokens)
+    if n < MIN_STEPS:
+        return _unfitted(f"{n} engine step(s) with scheduled tokens; {MIN_STEPS} needed", n)
+    if len(np.unique(tokens)) < 2:
+        return _unfitted(f"every one of the {n:,} steps scheduled {int(tokens[0]):,} tokens: "
+                         "the per-token cost cannot be told from the fixed one", n)
+    x = tokens.astype(np.float64)
+    rng = np.random.default_rng(seed)
+    slope, icpt = _theil_sen(x, ns, rng)
+    boots = np.empty((n_boot, 2))
+    for b in range(n_boot):
+        idx = rng.integers(0, n, n)
+        boots[b] = _theil_sen(x[idx], ns[idx], rng)
+    ok = np.isfinite(boots).all(axis=1)
+    a = (1 - _CONFIDENCE) / 2
+    s_lo, s_hi = np.quantile(boots[ok, 0], [a, 1 - a])
+    i_lo, i_hi = np.quantile(boots[ok, 1], [a, 1 - a])
+    if not slope > 0:
+        return _unfitted(f"the fitted per-token cost is not positive ({slope:.3g} ns) over "
+                         f"{n:,} steps: step time does not grow with tokens here", n)
+    return StepCost(fixed_ns=icpt, per_token_ns=slope, fixed_ci_ns=(float(i_lo), float(i_hi)),
+                    per_token_ci_ns=(float(s_lo), float(s_hi)), steps=n,
+                    token_range=(int(tokens.min()), int(tokens.max())))

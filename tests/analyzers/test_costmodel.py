@@ -1,0 +1,110 @@
+"""The step cost model (analyzers.costmodel): recovered by hand on exact and noisy steps,
+robust to slow outliers, fitted on prefill steps only, with an interval that covers it."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from analyzers.costmodel import MIN_STEPS, fit_step_cost, step_samples
+
+
+def _steps(tokens: list[int], ns: list[float], batch: list[int] | None = None,
+           schedule_ns: int = 700_000) -> pd.DataFrame:
+    """Step spans: schedule (not compute), then prepare / forward / sample splitting `ns`."""
+    rows = []
+    t = 1_000_000_000
+    for sid, (tok, total) in enumerate(zip(tokens, ns, strict=True)):
+        b = 1 if batch is None else batch[sid]
+        parts = [("schedule", schedule_ns), ("prepare", int(total * 0.1)),
+                 ("forward", int(total) - 2 * int(total * 0.1)), ("sample", int(total * 0.1))]
+        for name, d in parts:
+            rows.append({"kind": "step", "name": name, "start_ns": t, "end_ns": t + d,
+                         "tokens": tok, "batch_requests": b, "step_id": sid,
+                         "request_id": None})
+            t += d + 1000
+    return pd.DataFrame(rows)
+
+
+def test_exact_linear_steps_are_recovered_exactly() -> None:
+    tokens = [16, 32, 64, 100, 128, 200, 256, 300, 384, 512]
+    ns = [3_000_000 + 40_000 * t for t in tokens]
+    c = fit_step_cost(_steps(tokens, ns))
+    assert c.fitted and c.steps == 10 and c.token_range == (16, 512)
+    assert c.per_token_ns == pytest.approx(40_000, abs=1e-6)
+    assert c.fixed_ns == pytest.approx(3_000_000, abs=1e-3)
+    assert c.tokens_per_s == pytest.approx(25_000)
+    lo, hi = c.per_token_ci_ns
+    assert lo == pytest.approx(40_000, abs=1e-6) and hi == pytest.approx(40_000, abs=1e-6)
+    assert "3.000 ms per step" in c.describe() and "40.000 us per scheduled token" in \
+        c.describe() and "10 steps of 16 to 512 tokens" in c.describe()
+
+
+def test_the_slope_is_the_median_of_pairwise_slopes_by_hand() -> None:
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(2, 400, 30).tolist()
+    ns = [2e6 + 55_000 * t + rng.normal(0, 3e5) for t in tokens]
+    samples_t, samples_ns = step_samples(_steps(tokens, ns))
+    # Independent: every pair by a Python loop.
+    slopes = [(samples_ns[j] - samples_ns[i]) / (samples_t[j] - samples_t[i])
+              for i, j in itertools.combinations(range(len(samples_t)), 2)
+              if samples_t[j] != samples_t[i]]
+    slope = float(np.median(slopes))
+    icpt = float(np.median([y - slope * x for x, y in zip(samples_t, samples_ns, strict=True)]))
+    c = fit_step_cost(_steps(tokens, ns))
+    assert c.per_token_ns == pytest.approx(slope, rel=1e-12)
+    assert c.fixed_ns == pytest.approx(icpt, rel=1e-12)
+    lo, hi = c.per_token_ci_ns
+    assert lo <= c.per_token_ns <= hi
+
+
+def test_slow_outlier_steps_do_not_move_it() -> None:
+    rng = np.random.default_rng(7)
+    tokens = rng.integers(8, 512, 200)
+    ns = 3e6 + 50_000 * tokens + rng.normal(0, 2e5, len(tokens))
+    slow = rng.random(len(tokens)) < 0.1  # GC pauses: a tenth of the steps 30 ms slower
+    ns = np.where(slow, ns + 30e6, ns)
+    c = fit_step_cost(_steps(tokens.tolist(), ns.tolist()))
+    assert c.per_token_ns == pytest.approx(50_000, rel=0.05)
+    assert c.fixed_ns == pytest.approx(3e6, rel=0.15)
+    lo, hi = c.per_token_ci_ns
+    assert lo <= 50_000 <= hi and c.per_token_half_width < 0.1
+    # Least squares, for contrast, is pulled by the outliers' intercept shift.
+    ols = np.polyfit(tokens, ns, 1)
+    assert abs(ols[1] - 3e6) > 1e6
+
+
+def test_decode_steps_and_the_schedule_phase_are_left_out() -> None:
+    tokens = [16, 32, 64, 128, 256, 512, 48, 96, 4, 8]
+    batch = [1, 2, 1, 1, 3, 1, 1, 2, 4, 8]  # the last two: decodes only (one token each)
+    ns = [1e6 + 20_000 * t if b < t else 90e6 for t, b in zip(tokens, batch, strict=True)]
+    t, y = step_samples(_steps(tokens, ns, batch, schedule_ns=50_000_000))
+    assert sorted(t.tolist()) == sorted(tokens[:8])
+    # prepare + forward + sample only: the 50 ms schedule phase is not compute.
+    assert y.max() < 1e6 + 20_000 * 512 + 10
+    c = fit_step_cost(_steps(tokens, ns, batch, schedule_ns=50_000_000))
+    assert c.steps == 8 and c.per_token_ns == pytest.approx(20_000, rel=1e-9)
+
+
+def test_too_little_to_fit_says_why() -> None:
+    few = fit_step_cost(_steps([16, 32, 64], [1e6, 2e6, 3e6]))
+    assert not few.fitted and f"{MIN_STEPS} needed" in few.reason
+    assert few.describe().startswith("not fitted (") and np.isnan(few.tokens_per_s)
+    same = fit_step_cost(_steps([64] * 12, [4e6] * 12))
+    assert not same.fitted and "every one of the 12 steps scheduled 64 tokens" in same.reason
+    flat = fit_step_cost(_steps(list(range(10, 130, 10)), [5e6 - 1000 * t for t in
+                                                              range(10, 130, 10)]))
+    assert not flat.fitted and "not positive" in flat.reason
+    assert fit_step_cost(pd.DataFrame()).reason
+    assert fit_step_cost(_steps([16, 32], [1e6, 2e6]).iloc[0:0]).steps == 0
+
+
+def test_the_fit_is_deterministic_for_a_run() -> None:
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(2, 300, 80).tolist()
+    ns = [2e6 + 30_000 * t + rng.normal(0, 5e5) for t in tokens]
+    a, b = fit_step_cost(_steps(tokens, ns)), fit_step_cost(_steps(tokens, ns))
+    assert a == b
