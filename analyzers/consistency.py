@@ -270,8 +270,6 @@ def _recompute(r: _Request, bs: int, prompt: int, served: bool, first_ns: int, h
     out["remote_written_bytes"] = r.remote_written
     if pb is not None:
         out["host_written_bytes"] = sum(tk // bs for _, tk in kept) * pb + r.host_written
-    if not served and final is None:
-        out.pop("recomputed_tokens")
-    elif not served:
+    if not served:
         out.pop("recomputed_tokens")  # partial: the identity only holds with a first token
     return out

@@ -283,13 +283,18 @@ def _accounting_section(report: Report, out: list[str], head: Any, table: Any,
     out.append(f"step cost model: {c.describe()}")
     if c.fitted:
         note = (f"(per-token cost known to +/- {100 * c.per_token_half_width:.0f} %"
-                + ("; poorly determined: the run scheduled few distinct token counts"
+                + (f"; poorly determined: {c.steps:,} prefill steps of "
+                   f"{c.token_range[0]:,} to {c.token_range[1]:,} tokens"
                    if c.per_token_half_width > 0.2 else "") + ")")
         out.append(note)
         lo, hi = sv.gross_ci_seconds
         line = (f"reuse of {sv.reused_tokens:,} tokens saved about "
                 f"{fmt_ns(sv.gross_seconds * 1e9)} of prefill ({fmt_ns(lo * 1e9)} .. "
                 f"{fmt_ns(hi * 1e9)})")
+        per_req = sv.reused_tokens / max(1, a.requests)
+        if per_req > c.token_range[1]:
+            line += (f" — extrapolated: requests reused {per_req:,.0f} tokens on average, the "
+                     f"run's prefill steps scheduled at most {c.token_range[1]:,}")
         if sv.load_seconds is not None:
             line += (f"; loading them cost {fmt_ns(sv.load_seconds * 1e9)} of TTFT "
                      f"(remote_read + h2d + sync): net "
