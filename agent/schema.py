@@ -305,7 +305,12 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
                "Prompt tokens by where their KV came from (device_hit, host_loaded, "
                "remote_loaded, recomputed); the sources sum to kvscope_prompt_tokens_total."),
     MetricSpec("kvscope_kv_hit_tokens_total", "counter", "tokens", (_M, "tier"),
-               "Prompt tokens promised by the arrival lookup, by tier."),
+               "Prompt tokens promised by a tier, counted when their load is planned (remote: "
+               "at arrival, its prefetch; host: at admission) beyond the device hits found "
+               "at admission; device: its hits. Loaded minus found tokens never exceed it."),
+    MetricSpec("kvscope_kv_found_tokens_total", "counter", "tokens", (_M, "tier"),
+               "Prompt tokens loaded from a tier (host, remote) at chain positions no lookup "
+               "promised it; included in kvscope_prompt_tokens_by_source_total's loads."),
     MetricSpec("kvscope_kv_load_failed_tokens_total", "counter", "tokens", (_M, "reason"),
                "Promised prompt tokens that were not used and were recomputed, by reason."),
     MetricSpec("kvscope_preempted_tokens_total", "counter", "tokens", (_M,),

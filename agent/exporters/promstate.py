@@ -43,6 +43,8 @@ _ROW_COUNTERS: dict[str, tuple[str | None, dict[str, str]]] = {
     "kvscope_prompt_tokens_by_source_total": ("source", {s: f"{s}_tokens" for s in TOKEN_SOURCES}),
     # NOTE: device hits are "promised" and "used" at once (no load can fail on the device).
     "kvscope_kv_hit_tokens_total": ("tier", {t: f"{t}_hit_tokens" for t in TIERS}),
+    "kvscope_kv_found_tokens_total": ("tier",
+                                      {t: f"{t}_found_tokens" for t in ("host", "remote")}),
     "kvscope_kv_load_failed_tokens_total": (
         "reason", {r: f"load_failed_{r}_tokens" for r in LOAD_FAIL_REASONS}),
     "kvscope_preempted_tokens_total": (None, {"": "preempted_tokens"}),

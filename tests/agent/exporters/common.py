@@ -96,7 +96,7 @@ def record_workload(rec: Recorder) -> Expected:
           ("prefill", 20)],
          RequestAccounting(prompt_tokens=1024, output_tokens=11, lookup_tokens=1008,
                            device_hit_tokens=256, host_hit_tokens=256, remote_hit_tokens=512,
-                           host_loaded_tokens=256, remote_loaded_tokens=384,
+                           host_loaded_tokens=256, host_found_tokens=64, remote_loaded_tokens=384,
                            recomputed_tokens=128, load_failed_tokens=128,
                            load_failed_timeout_tokens=128, host_read_bytes=1 << 20,
                            remote_read_bytes=3 << 19, h2d_bytes=5 << 19,

@@ -166,6 +166,9 @@ def test_counters_from_request_rows_and_events() -> None:
             f"{src}_tokens")
     assert get(smp, "kvscope_kv_hit_tokens_total", **m, tier="device") == 2304
     assert get(smp, "kvscope_kv_hit_tokens_total", **m, tier="remote") == 800
+    assert get(smp, "kvscope_kv_found_tokens_total", **m, tier="host") == total(
+        "host_found_tokens") == 64
+    assert get(smp, "kvscope_kv_found_tokens_total", **m, tier="remote") == 0
     assert get(smp, "kvscope_kv_load_failed_tokens_total", **m, reason="timeout") == 128
     assert get(smp, "kvscope_kv_load_failed_tokens_total", **m, reason="circuit_open") == 288
     assert get(smp, "kvscope_kv_load_failed_tokens_total", **m, reason="evicted") == 0
