@@ -45,7 +45,8 @@ STAGE_PRIORITY: tuple[str, ...] = (
 #: the accounting can be recomputed from them (analyzers.consistency).
 SPAN_KINDS: tuple[str, ...] = ("state", "activity", "step", "ledger")
 #: Names of ledger rows; `failed_<reason>` for each of LOAD_FAIL_REASONS.
-LEDGER_OPS: tuple[str, ...] = ("lookup", "device_hit", "load", "compute", "preempted", "write")
+LEDGER_OPS: tuple[str, ...] = ("lookup", "device_hit", "load", "preempted", "abandoned",
+                               "write", "evicted_again", "evicted_reloaded")
 STEP_PHASES: tuple[str, ...] = ("schedule", "prepare", "forward", "sample")
 TIERS: tuple[str, ...] = ("device", "host", "remote")
 STATUSES: tuple[str, ...] = ("ok", "error", "aborted")

@@ -33,6 +33,7 @@ class EngineInstrumentation:
         self.timer = IntervalTimer(device, monotonic=recorder.now)
         self._step_id = -1
         self._phase_ranges: list[int] = []
+        self._remote_ops: dict[tuple[str, str], int] = {}
 
     # ------------------------------------------------------------------ steps
     def next_step(self) -> int:
@@ -80,12 +81,21 @@ class EngineInstrumentation:
     # ------------------------------------------------------------------ pools and status
     def status(self, pools: tuple[PoolStatus, ...], *, running: int, waiting: int,
                preemptions: int, evicted: int, remote: RemoteStatus | None, t: int) -> None:
-        """After a step: each pool's occupancy as samples, the device's evictions since the
-        last step as one event, and the engine's status published for the exporters."""
+        """After a step: each pool's occupancy as samples, the remote tier's operation counts
+        that changed (cumulative, `remote_<op>_<outcome>`, the run store's view of
+        kvscope_remote_operations_total), the device's evictions since the last step as one
+        event, and the engine's status published for the exporters."""
         rec = self.rec
         for p in pools:
             for state in BLOCK_STATES:
                 rec.sample("pool", state, getattr(p, state), entity=p.tier, unit="blocks", t=t)
+        if remote is not None:
+            seen = self._remote_ops
+            for key, n in remote.operations.items():
+                if seen.get(key) != n:
+                    seen[key] = n
+                    rec.sample("pool", f"remote_{key[0]}_{key[1]}", n, entity="remote",
+                               unit="operations", t=t)
         if evicted:
             rec.event("eviction", t=t, detail={"tier": "device", "blocks": evicted})
         rec.publish(EngineStatus(running=running, waiting=waiting, preemptions=preemptions,

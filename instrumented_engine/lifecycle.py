@@ -187,6 +187,23 @@ class RequestLifecycle:
             self.rec.ledger("device_hit", req.request_num, tier="device",
                             tokens=device_hit_tokens, block=0)
 
+    def needed_again(self, req: Request, *, loaded: int, recomputed: int,
+                     host_evicted: int) -> None:
+        """(Scheduler) blocks the device pool had evicted earlier in the run that the request
+        needed again: `loaded` back from a tier, or `recomputed` (of which `host_evicted` the
+        host tier had evicted too). Ledger rows `evicted_again` (tier `device`: recomputed
+        after a device eviction only, `host`: recomputed after the host's too) and
+        `evicted_reloaded`: the cache-thrash evidence."""
+        rec = self.rec
+        if rec is None:
+            return
+        bs, rn = self.block_size, req.request_num
+        if loaded:
+            rec.ledger("evicted_reloaded", rn, tokens=loaded * bs)
+        for tier, n in (("device", recomputed - host_evicted), ("host", host_evicted)):
+            if n:
+                rec.ledger("evicted_again", rn, tier=tier, tokens=n * bs)
+
     def loaded(self, req: Request, loads: Loads) -> None:
         """(Tiers) what this admission loaded and failed to load. Before the first token its
         token counts replace the previous admission's; its bytes always add up."""

@@ -89,6 +89,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
+                self._recached(req)
                 out.requests.append(req)
                 out.num_new_tokens.append(n)
                 budget -= n
@@ -130,6 +131,7 @@ class Scheduler:
                     if loader is not None:
                         loader.cancel(req)
                     return
+                recached = self.kv.recached
                 waiting.popleft()
                 self.running.append(req)
                 req.status = RequestStatus.RUNNING
@@ -138,12 +140,28 @@ class Scheduler:
                 self.life.admitted(req, num_hit)
                 if loader is not None:
                     loader.admitted(req, len(hits))
+                self._recached(req, recached)
                 out.requests.append(req)
                 out.num_new_tokens.append(n)
                 out.admitted.append(req)
                 budget -= n
         finally:
             waiting.extendleft(reversed(parked))
+
+    def _recached(self, req: Request, positions: list[int] | None = None) -> None:
+        """Blocks the last allocation cached again after the device pool had evicted them:
+        loaded back from a tier (positions before the admission's hits + loads end) or
+        computed again (the cost of thrash)."""
+        positions = self.kv.recached if positions is None else positions
+        if not positions:
+            return
+        bs = self.kv.block_size
+        loaded = sum(1 for i in positions if i * bs < req.admitted_hit_tokens)
+        loader = self.loader
+        host = sum(1 for i in positions if i * bs >= req.admitted_hit_tokens
+                   and loader is not None and loader.host_evicted(req.block_hashes[i]))
+        self.life.needed_again(req, loaded=loaded, recomputed=len(positions) - loaded,
+                               host_evicted=host)
 
     def parked(self) -> list[Request]:
         """Waiting requests left out of admission because their remote reads are running."""

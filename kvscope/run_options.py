@@ -110,6 +110,10 @@ class RunOptions:
                       "once. Traces use their own timestamps.", lo=0, hi=1e6)
     tenants: int = opt(1, "--tenants", "Spread requests over N tenants (each its own cache "
                        "namespace).", lo=1, hi=10_000)
+    tenant_prefix_tokens: int = opt(0, "--tenant-prefix-tokens",
+                                    "docqa, chat: the first tenant's prompts all start with "
+                                    "one shared prefix of this many tokens of its own (e.g. "
+                                    "larger than the KV pool); 0 = none.", lo=0, hi=1 << 20)
     scale: float | None = opt(None, "--scale", "trace: length factor; 512 x scale must be a "
                               "multiple of --block-size; default one block per trace block.",
                               lo=0, hi=1e3, lo_open=True)
@@ -141,8 +145,11 @@ class RunOptions:
                           "(device evictions are saved) or through (every new block).",
                           choices=HOST_WRITES)
     faults: tuple[str, ...] = opt((), "--fault", "Inject a remote fault (repeatable): "
-                                  "remote-latency=50ms, remote-error-rate=0.1, "
-                                  "remote-corrupt-rate=0.05, remote-down-after=5s.")
+                                  "remote-latency=50ms (every operation), "
+                                  "remote-read-latency=, remote-lookup-latency=, "
+                                  "remote-write-latency= (one kind), remote-error-rate=0.1, "
+                                  "remote-corrupt-rate=0.05, remote-down-after=5s, "
+                                  "remote-concurrency=1 (reads served at a time).")
     remote_timeout_ms: float = opt(500.0, "--remote-timeout-ms",
                                    "Deadline of one remote operation in ms.", lo=0,
                                    hi=600_000, lo_open=True)
@@ -209,3 +216,37 @@ def defaults() -> dict[str, Any]:
 
 
 RUN_FLAGS: dict[str, Flag] = {f.name: f.metadata["flag"] for f in fields(RunOptions)}
+
+#: Options left out of `to_argv`: where the run goes (a rerun must not overwrite it).
+_NOT_IN_COMMAND = ("out",)
+
+
+def to_argv(opts: RunOptions, *, redact: Any = None) -> list[str]:
+    """The `kvscope run` command line that reproduces `opts` (defaults left out, `--out` too,
+    so that a rerun goes to a fresh directory): ``["kvscope", "run", "--num-blocks", "96",
+    ...]``. Recorded in run.json (``config.command``), so a diagnosis can print the run's own
+    command with exactly one flag changed.
+
+    Args:
+        opts: the options.
+        redact: applied to string values (e.g. a URL's password) before they are written.
+    """
+    argv = ["kvscope", "run"]
+    base = defaults()
+    for f in fields(RunOptions):
+        if f.name in _NOT_IN_COMMAND:
+            continue
+        v = getattr(opts, f.name)
+        if v == base.get(f.name):
+            continue
+        flag = RUN_FLAGS[f.name]
+        if isinstance(v, bool):
+            on, _, off = flag.name.partition("/")
+            argv.append(on if v else (off or on))
+        elif isinstance(v, tuple):
+            for item in v:
+                argv += [flag.option, str(item)]
+        elif v is not None:
+            text = str(v)
+            argv += [flag.option, redact(text) if redact is not None else text]
+    return argv

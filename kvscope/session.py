@@ -30,7 +30,7 @@ from instrumented_engine.config import (
 from instrumented_engine.core.request import RequestOutput
 from instrumented_engine.driver import RunResult
 from instrumented_engine.workloads import build_workload
-from kvscope.run_options import DEFAULT_METRICS_PORT, RunOptions, default_out
+from kvscope.run_options import DEFAULT_METRICS_PORT, RunOptions, default_out, to_argv
 
 PROFILE_TRACE = "profile/torch_trace.json"
 log = logging.getLogger("kvscope.session")
@@ -280,7 +280,8 @@ def run_session(opts: RunOptions, *, on_start: Callable[[int, str | None], None]
     arrivals = build_workload(opts.workload, opts.num_requests, seed=opts.seed, rate=opts.rate,
                               vocab_size=model_cfg.vocab_size, block_size=opts.block_size,
                               tenants=opts.tenants, scale=opts.scale,
-                              time_scale=opts.time_scale)
+                              time_scale=opts.time_scale,
+                              tenant_prefix_tokens=opts.tenant_prefix_tokens)
     if model is None:
         # Random weights: size the RoPE tables to the longest request of the workload.
         needed = max(len(a.prompt_token_ids) + a.max_tokens for a in arrivals)
@@ -314,7 +315,11 @@ def run_session(opts: RunOptions, *, on_start: Callable[[int, str | None], None]
                   "remote": remote_info},
         "workload": {"name": opts.workload, "num_requests": len(arrivals), "seed": opts.seed,
                      "rate": opts.rate, "tenants": opts.tenants, "scale": opts.scale,
-                     "time_scale": opts.time_scale},
+                     "time_scale": opts.time_scale,
+                     "tenant_prefix_tokens": opts.tenant_prefix_tokens},
+        # The command that reproduces this run (without --out): diagnoses print it with one
+        # flag changed, the single-factor experiment.
+        "command": to_argv(opts, redact=redact_url),
         "options": {k: (str(v) if isinstance(v, Path) else redact_url(v) if k == "remote" else v)
                     for k, v in dataclasses.asdict(opts).items()},
         "torch": {"version": torch.__version__, "threads": torch.get_num_threads()},

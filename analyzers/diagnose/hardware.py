@@ -3,6 +3,8 @@ remote reads that load one NIC while others idle."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 
@@ -220,4 +222,73 @@ def nic_imbalance(ctx: Context) -> Finding | NotEvaluated | None:
         metrics={"source": source, "devices": {str(d): float(v) for d, v in during.items()},
                  "max_device": hi_dev, "min_device": lo_dev, "ratio": ratio,
                  "remote_read_ns": int((w_end - w_start).sum())},
+    )
+
+
+def gpu_xid_errors(ctx: Context) -> Finding | NotEvaluated | None:
+    """The GPU raised XID errors during the run (KvscopeGPUXidError): a driver-reported fault
+    (memory errors, fallen off the bus, a hung engine)."""
+    rule = "gpu_xid_errors"
+    ev = ctx.events
+    smp = ctx.samples
+    nvml_seen = smp is not None and len(smp) and "source" in smp and (smp["source"] ==
+                                                                      "nvml").any()
+    if ev is None or "name" not in ev:
+        return NotEvaluated(rule, "no events in this source (XIDs are events)")
+    xid = ev.loc[(ev["name"] == "xid")]
+    if not len(xid):
+        if not nvml_seen:
+            return NotEvaluated(rule, "no NVML samples: the GPU was not watched")
+        return None
+    counts: dict[tuple[str, str], int] = {}
+    for d in xid["detail"].tolist() if "detail" in xid else []:
+        try:
+            obj = json.loads(d) if isinstance(d, str) else {}
+        except ValueError:
+            obj = {}
+        key = (str(obj.get("gpu", "?")), str(obj.get("xid", "?")))
+        counts[key] = counts.get(key, 0) + 1
+    first = (int(F.ints(xid["ts_ns"]).min()) - ctx.origin_ns) / 1e9
+    listed = ", ".join(f"GPU {g} XID {x} x{n}" for (g, x), n in sorted(counts.items()))
+    return Finding(
+        rule=rule, severity="critical",
+        title=f"GPU XID errors: {len(xid)} during the run ({listed})",
+        evidence=[f"{len(xid)} XID event(s) from NVML: {listed}",
+                  f"the first at {first:,.3f} s after the run's start"],
+        next_step=("Look the XID up in NVIDIA's XID catalogue (e.g. 79: fallen off the bus, "
+                   "48/63/64: memory errors, 13/31/43: an application or engine fault); drain "
+                   "the node and run `nvidia-smi -q` and the DCGM diagnostics before it serves "
+                   "again; compare its TTFT before and after the first XID."),
+        metrics={"xid_events": len(xid), "by_gpu_xid": {f"{g}:{x}": n for (g, x), n in
+                                                         counts.items()}},
+    )
+
+
+def nic_errors(ctx: Context) -> Finding | NotEvaluated | None:
+    """A NIC counted receive or transmit errors during the run (KvscopeNICErrors)."""
+    rule = "nic_errors"
+    smp = ctx.samples
+    if smp is None or not len(smp) or not {"source", "metric", "value", "entity"} <= set(smp):
+        return NotEvaluated(rule, "no NIC samples in this source")
+    sel = smp.loc[(smp["source"] == "nic") & smp["metric"].isin(
+        ("nic_receive_errors_per_second", "nic_transmit_errors_per_second"))]
+    if not len(sel):
+        return NotEvaluated(rule, "no NIC error counters sampled")
+    bad = sel.loc[sel["value"].astype("float64") > 0]
+    if not len(bad):
+        return None
+    per = bad.groupby(["entity", "metric"])["value"].agg(["max", "size"])
+    listed = "; ".join(f"{dev} {m.removeprefix('nic_').removesuffix('_per_second')}: up to "
+                       f"{r['max']:,.2f}/s in {int(r['size'])} sample(s)"
+                       for (dev, m), r in per.iterrows())
+    n_samples = int(sel.groupby("entity").size().max())
+    return Finding(
+        rule=rule, severity="warning",
+        title=f"NIC errors on {', '.join(sorted(map(str, bad['entity'].unique())))}",
+        evidence=[listed, f"out of {n_samples:,} samples per device"],
+        next_step=("Errors on the link the remote tier reads through: check the cable / "
+                   "transceiver and the switch port (`ethtool -S DEVICE`, the port's error "
+                   "counters), and whether remote_read time rose with them."),
+        metrics={"devices": sorted(map(str, bad["entity"].unique())),
+                 "error_samples": len(bad)},
     )

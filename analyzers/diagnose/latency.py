@@ -74,12 +74,14 @@ def remote_load_slower_than_recompute(ctx: Context) -> Finding | NotEvaluated | 
                         f"{share(above_won, above, 'requests')}")
         step = (f"Recompute prefixes shorter than {threshold:,} tokens instead of loading them "
                 "(set the remote tier's minimum load size to that), then rerun and compare "
-                "with `kvscope compare`.")
+                "with `kvscope compare`" + ctx.see("trace.json", examples, "the losing "
+                                                   "requests") + ".")
     else:
-        step = ("Loading lost at every prefix length: run without the remote tier (recompute) "
-                "and compare with `kvscope compare`; then measure the remote tier's read "
-                "bandwidth on the example requests with "
-                f"`{ctx.timeline_command('trace.json', examples)}`.")
+        without = ctx.rerun("--remote", drop=True)
+        step = ("Loading lost at every prefix length: run without the remote tier (recompute"
+                + (f": `{without}`" if without else "") + ") and compare with "
+                "`kvscope compare`; then measure the remote tier's read bandwidth"
+                + ctx.see("trace.json", examples, "on the losing requests") + ".")
     return Finding(
         rule=rule, severity=severity,
         title=f"Remote KV loads were slower than recomputing in {pct(n_lost, n)} of the "
@@ -144,11 +146,13 @@ def queue_dominated_p99(ctx: Context) -> Finding | NotEvaluated | None:
         title=f"p99 TTFT is queue-dominated: {pct(q, t)} of the tail's TTFT is waiting for "
               "admission",
         evidence=evidence,
-        next_step=("Admission is the tail's bottleneck: try "
-                   f"{ctx.flag('max_num_seqs', '--max-num-seqs', 2)} (running slots) and "
-                   f"{ctx.flag('max_batched_tokens', '--max-batched-tokens', 2)} (token budget "
-                   f"per step), or {ctx.flag('rate', '--rate', 0.5)} (arrivals); if the KV "
-                   f"pool is full, {ctx.flag('num_blocks', '--num-blocks', 2)}."),
+        next_step=("Admission is the tail's bottleneck; one factor at a time, and "
+                   "`kvscope compare` each run with this one: more running slots, "
+                   + ctx.scaled("max_num_seqs", "--max-num-seqs", 2,
+                                "the engine's --max-num-seqs doubled")
+                   + "; or half the offered load, "
+                   + (f"`{cmd}`" if (cmd := ctx.slower_load()) else
+                      f"the arrival rate halved ({ctx.load_knob()})") + "."),
         metrics={"p99_ttft_ns": threshold, "tail_requests": int(slow.sum()), "requests": n,
                  "tail_queue_ns": q, "tail_ttft_ns": t, "share": frac, "run_queue_ns": all_q,
                  "run_ttft_ns": all_t, "tail_hidden_load_ns": hidden},
@@ -244,10 +248,12 @@ def other_share_high(ctx: Context) -> Finding | NotEvaluated | None:
         severity="critical" if frac >= cfg.other_share_critical else "warning",
         title=f"Instrumentation blind spot: {pct(o, t)} of TTFT is 'other'",
         evidence=evidence,
-        next_step=("Find the uncovered stretch: "
-                   f"`{ctx.timeline_command('trace.json', examples)}` and open "
-                   "the example requests in ui.perfetto.dev; for imported traces, profile with "
-                   "`kvscope run --profile` so kvscope.<stage> ranges cover every stage."),
+        next_step=("Find the uncovered stretch in a trace of the requests mostly in other, "
+                   "opened in ui.perfetto.dev" + ctx.see("trace.json", examples, "they are")
+                   + "; then profile the run so kvscope.<stage> ranges and the PyTorch "
+                   "profiler cover every stage: "
+                   + (f"`{cmd}`" if (cmd := ctx.rerun("--profile")) else
+                      "for an imported trace, record it with the profiler on") + "."),
         metrics={"other_ns": o, "ttft_ns": t, "share": frac, "requests_mostly_other":
                  int(mostly.sum()), "requests": int(served.sum()),
                  "requests_derived": int(derived.sum())},

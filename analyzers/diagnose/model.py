@@ -115,6 +115,8 @@ class DiagnoseConfig:
         storm_factor: a window whose recomputed tokens/s is at least this many times the
             run's median window is a spike.
         storm_min_windows: windows needed for a median to mean anything.
+        storm_failure_share: failed remote tokens as a share of recomputed tokens (over the
+            run, or in a window) from which the recompute is failure-driven.
         h2d_link_fraction / _critical: achieved H2D bandwidth below this fraction of the PCIe
             link's data rate is a finding.
         h2d_min_bytes: fewer copied bytes than this are too few to judge bandwidth.
@@ -122,6 +124,25 @@ class DiagnoseConfig:
         nic_min_bytes_per_s: a NIC whose receive rate never reaches this is idle (ignored).
         evicted_share: promised host/remote tokens lost to eviction before admission.
         other_share / _critical: ``other`` share of summed TTFT.
+        remote_failure_share / _critical: failed / promised remote tokens, or failed / all
+            remote lookups and reads, over the run (the alerts' 5 %).
+        serial_min_loads: transfers needed before their serialisation is judged.
+        serial_slope_share: added duration per transfer in flight, as a share of one
+            transfer alone, from which loads count as serialised ...
+        serial_rank_corr: ... when duration and loads in flight also rank-correlate this much.
+        preemption_waste_share: computed tokens thrown away by preemption, as a share of all
+            computed prompt tokens.
+        preemptions_per_s: sustained preemption rate (KvscopePreemptionRateHigh's 0.1/s).
+        slo_ttft_ns: the TTFT SLO threshold (the alerts' le="2.0" bucket).
+        slo_target: the share of requests that may miss it (1 %); the fast and slow burns fire
+            at 14.4x and 6x of it.
+        hit_drop_factor: a window whose token hit share is below this factor of every earlier
+            window's, pooled, is a drop (KvscopeTokenHitShareDrop's 0.5).
+        tenant_factor: a tenant whose token hit share is below this factor of the other
+            tenants' pooled share, or whose p90 TTFT is above 1 / factor of theirs, collapsed.
+        tenant_min_requests: requests a tenant needs before it is compared.
+        thrash_share: recomputed (or re-fetched) tokens of blocks that had been evicted earlier
+            in the run, as a share of computed prompt tokens.
     """
 
     examples: int = 5
@@ -137,6 +158,7 @@ class DiagnoseConfig:
     storm_window_ns: int | None = None
     storm_factor: float = 3.0
     storm_min_windows: int = 4
+    storm_failure_share: float = 0.2
     h2d_link_fraction: float = 0.30
     h2d_link_fraction_critical: float = 0.10
     h2d_min_bytes: int = 16 * 1024 * 1024
@@ -145,6 +167,19 @@ class DiagnoseConfig:
     evicted_share: float = 0.05
     other_share: float = 0.05
     other_share_critical: float = 0.25
+    remote_failure_share: float = 0.05
+    remote_failure_share_critical: float = 0.25
+    serial_min_loads: int = 8
+    serial_slope_share: float = 0.5
+    serial_rank_corr: float = 0.6
+    preemption_waste_share: float = 0.10
+    preemptions_per_s: float = 0.1
+    slo_ttft_ns: int = 2_000_000_000
+    slo_target: float = 0.01
+    hit_drop_factor: float = 0.5
+    tenant_factor: float = 0.5
+    tenant_min_requests: int = 5
+    thrash_share: float = 0.10
 
     def __post_init__(self) -> None:
         if not 1 <= self.examples <= 100:
@@ -156,7 +191,10 @@ class DiagnoseConfig:
                      "hit_requests_share_min", "queue_p99_share", "queue_p99_share_critical",
                      "sync_share", "sync_share_critical", "h2d_link_fraction",
                      "h2d_link_fraction_critical", "evicted_share", "other_share",
-                     "other_share_critical"):
+                     "other_share_critical", "remote_failure_share",
+                     "remote_failure_share_critical", "serial_rank_corr",
+                     "preemption_waste_share", "slo_target", "hit_drop_factor",
+                     "tenant_factor", "thrash_share", "storm_failure_share"):
             _fraction(name, getattr(self, name))
         _fraction("hit_tokens_share_max", self.hit_tokens_share_max, open_low=False)
         for warn, crit, higher_is_worse in (
@@ -164,6 +202,7 @@ class DiagnoseConfig:
             ("queue_p99_share", "queue_p99_share_critical", True),
             ("sync_share", "sync_share_critical", True),
             ("other_share", "other_share_critical", True),
+            ("remote_failure_share", "remote_failure_share_critical", True),
             ("h2d_link_fraction", "h2d_link_fraction_critical", False),
         ):
             w, c = getattr(self, warn), getattr(self, crit)
@@ -176,6 +215,11 @@ class DiagnoseConfig:
         # (field, lower bound, strict): each must be > (strict) or >= the bound.
         for name, low, strict in (("storm_factor", 1.0, True), ("storm_min_windows", 2, False),
                                   ("h2d_min_bytes", 1, False),
+                                  ("serial_min_loads", 3, False),
+                                  ("serial_slope_share", 0.0, True),
+                                  ("preemptions_per_s", 0.0, True),
+                                  ("slo_ttft_ns", 0, True),
+                                  ("tenant_min_requests", 1, False),
                                   ("nic_imbalance_ratio", 1.0, True),
                                   ("nic_min_bytes_per_s", 0, False)):
             v = getattr(self, name)
@@ -242,6 +286,7 @@ class Context:
         self.options: Mapping[str, Any] = opts if isinstance(opts, Mapping) else {}
         self._accounting: dict[tuple[str, ...], TokenAccounting] = {}
         self._cost = cost
+        self.run_config: Mapping[str, Any] = run_config or {}
         if origin_ns is None:
             arr = F.ints(self.requests["arrival_ns"], -1) if "arrival_ns" in self.requests \
                 else np.zeros(0, np.int64)
@@ -249,6 +294,17 @@ class Context:
             origin_ns = int(arr.min()) if len(arr) else 0
         self.origin_ns = origin_ns
         self.run_path = run_path
+
+    def run_end_ns(self) -> int:
+        """The latest time the run recorded (finishes, spans, events, samples)."""
+        ends = [self.origin_ns]
+        for frame, col in ((self.requests, "finish_ns"), (self.spans, "end_ns"),
+                           (self.events, "ts_ns"), (self.samples, "ts_ns")):
+            if frame is not None and len(frame) and col in frame:
+                v = F.ints(frame[col], -1)
+                if (v >= 0).any():
+                    ends.append(int(v.max()))
+        return max(ends)
 
     def run_arg(self) -> str:
         """The run directory as a shell argument for next-step commands."""
@@ -267,17 +323,102 @@ class Context:
             cmd += f" --requests {','.join(ids)}"
         return cmd
 
-    def flag(self, option: str, cli: str, factor: float) -> str:
-        """``--max-num-seqs 8 (now 4)`` when the run's value of `option` is known (scaled by
-        `factor`), else just ``--max-num-seqs``."""
+    # ---------------------------------------------------------------- single-factor reruns
+    @property
+    def command(self) -> list[str] | None:
+        """The `kvscope run` command that reproduces this run (run.json ``config.command``),
+        or None (an import, or a run recorded before it was kept)."""
+        cmd = (self.run_config or {}).get("command")
+        if isinstance(cmd, list) and cmd[:2] == ["kvscope", "run"] and all(
+                isinstance(x, str) for x in cmd):
+            return list(cmd)
+        return None
+
+    @property
+    def is_trace(self) -> bool:
+        """The run replayed a trace (its load knob is --time-scale, not --rate)."""
+        return str(self.options.get("workload", "")).startswith("trace:")
+
+    def rerun(self, flag: str, value: str | None = None, *, drop: bool = False) -> str | None:
+        """The run's own command with exactly one flag changed (None for imports).
+
+        Args:
+            flag: the flag to change: set to `value` in place (or added); a switch
+                (`--no-prefix-caching`, `value` None) replaces its opposite; with `drop`,
+                removed. For the repeatable `--fault`, `value` (``NAME=VALUE``) replaces the
+                entry of that name (or is added); with `drop`, that entry is removed.
+        """
+        import shlex
+
+        cmd = self.command
+        if cmd is None:
+            return None
+        pairs = command_pairs(cmd)
+        if flag == "--fault":
+            name = (value or "").split("=")[0]
+
+            def same(f: str, v: str | None) -> bool:
+                return f == "--fault" and (v or "").split("=")[0] == name
+        elif value is None and not drop:
+            def same(f: str, v: str | None) -> bool:
+                return f in (flag, _opposite(flag))
+        else:
+            def same(f: str, v: str | None) -> bool:
+                return f == flag
+        new = None if drop else (flag, value)
+        out: list[tuple[str, str | None]] = []
+        for f, v in pairs:
+            if same(f, v):
+                if new is not None:
+                    out.append(new)
+                    new = None
+                continue
+            out.append((f, v))
+        if new is not None:
+            out.append(new)
+        argv = ["kvscope", "run"]
+        for f, v in out:
+            argv += [f] if v is None else [f, v]
+        return shlex.join(argv)
+
+    def slower_load(self) -> str | None:
+        """The run's command with the offered load halved by the knob that fits its workload:
+        ``--time-scale`` doubled for a trace, ``--rate`` halved for Poisson arrivals, or
+        ``--max-num-seqs`` halved when all requests arrive at once."""
+        o = self.options
+        if self.is_trace:
+            return self.rerun("--time-scale", f"{float(o.get('time_scale') or 1.0) * 2:g}")
+        rate = o.get("rate")
+        if isinstance(rate, (int, float)) and rate > 0:
+            return self.rerun("--rate", f"{rate / 2:g}")
+        seqs = o.get("max_num_seqs")
+        if isinstance(seqs, int) and seqs > 1:
+            return self.rerun("--max-num-seqs", str(max(1, seqs // 2)))
+        return None
+
+    def load_knob(self) -> str:
+        """For text: the flag that sets the offered load of this run's workload."""
+        return "--time-scale (a larger factor replays slower)" if self.is_trace else "--rate"
+
+    def scaled(self, option: str, flag: str, factor: float, engine: str) -> str:
+        """A single-factor experiment as text: the run's own command with `option` scaled by
+        `factor` (in backticks, ready to run), or for an import the engine's own knob
+        `engine`, named."""
         cur = self.options.get(option)
-        if isinstance(cur, bool) or not isinstance(cur, (int, float)) or cur <= 0:
-            return cli
-        new = cur * factor
-        new_txt = f"{int(new)}" if isinstance(cur, int) else f"{new:g}"
-        if isinstance(cur, int) and int(new) < 1:
-            return cli
-        return f"{cli} {new_txt} (now {cur:g})"
+        if self.command is not None and isinstance(cur, (int, float)) and not isinstance(
+                cur, bool) and cur > 0:
+            new = cur * factor
+            text = str(max(1, int(new))) if isinstance(cur, int) else f"{new:g}"
+            return f"`{self.rerun(flag, text)}`"
+        return engine
+
+    def see(self, out: str, ids: Sequence[str], what: str = "the requests it names", *,
+            window: tuple[float, float] | None = None) -> str:
+        """``; <what>: `kvscope timeline ... --requests ...``` for a next step, or "" when
+        there are no requests to show (a timeline of everything would show other ones)."""
+        if not ids:
+            return ""
+        return f"; {what}: `{self.timeline_command(out, ids, window=window)}`"
 
     def ns(self, col: str) -> np.ndarray:
         """A partition time column as int64 (0 where null)."""
@@ -351,6 +492,27 @@ class Context:
 # --------------------------------------------------------------------------------------------
 # How numbers read
 # --------------------------------------------------------------------------------------------
+
+
+def command_pairs(argv: Sequence[str]) -> list[tuple[str, str | None]]:
+    """A `kvscope run` argv (after ``kvscope run``) as (flag, value or None) pairs; no value of
+    a run option starts with ``--``."""
+    args = list(argv[2:]) if list(argv[:2]) == ["kvscope", "run"] else list(argv)
+    out: list[tuple[str, str | None]] = []
+    i = 0
+    while i < len(args):
+        if i + 1 < len(args) and not args[i + 1].startswith("--"):
+            out.append((args[i], args[i + 1]))
+            i += 2
+        else:
+            out.append((args[i], None))
+            i += 1
+    return out
+
+
+def _opposite(flag: str) -> str:
+    """``--no-x`` for ``--x`` and back."""
+    return "--" + flag[5:] if flag.startswith("--no-") else "--no-" + flag[2:]
 
 
 def pct(num: float, den: float) -> str:

@@ -8,7 +8,19 @@ from typing import Any
 
 import pandas as pd
 
-from analyzers.diagnose.hardware import h2d_bandwidth_low, nic_imbalance
+from analyzers.diagnose.capacity import (
+    cache_thrash,
+    preemption_thrash,
+    tenant_collapse,
+    token_hit_share_drop,
+    ttft_slo_burn,
+)
+from analyzers.diagnose.hardware import (
+    gpu_xid_errors,
+    h2d_bandwidth_low,
+    nic_errors,
+    nic_imbalance,
+)
 from analyzers.diagnose.latency import (
     other_share_high,
     queue_dominated_p99,
@@ -16,6 +28,11 @@ from analyzers.diagnose.latency import (
     sync_stalls,
 )
 from analyzers.diagnose.model import SEVERITIES, Context, DiagnoseConfig, Finding, NotEvaluated
+from analyzers.diagnose.remote import (
+    load_serialisation,
+    remote_breaker_open,
+    remote_failures_sustained,
+)
 from analyzers.diagnose.tokens import (
     hit_rate_high_by_requests_low_by_tokens,
     promised_hits_evicted,
@@ -26,15 +43,42 @@ Rule = Callable[[Context], "Finding | NotEvaluated | None"]
 
 #: Every rule, by stable id, in the order findings of equal severity are reported.
 RULES: dict[str, Rule] = {
+    "gpu_xid_errors": gpu_xid_errors,
+    "ttft_slo_burn": ttft_slo_burn,
+    "remote_failures_sustained": remote_failures_sustained,
+    "remote_breaker_open": remote_breaker_open,
     "remote_load_slower_than_recompute": remote_load_slower_than_recompute,
     "recompute_storm": recompute_storm,
+    "load_serialisation": load_serialisation,
     "queue_dominated_p99": queue_dominated_p99,
+    "preemption_thrash": preemption_thrash,
+    "cache_thrash": cache_thrash,
     "sync_stalls": sync_stalls,
     "h2d_bandwidth_low": h2d_bandwidth_low,
+    "nic_errors": nic_errors,
     "nic_imbalance": nic_imbalance,
     "promised_hits_evicted": promised_hits_evicted,
+    "tenant_collapse": tenant_collapse,
+    "token_hit_share_drop": token_hit_share_drop,
     "hit_rate_high_by_requests_low_by_tokens": hit_rate_high_by_requests_low_by_tokens,
     "other_share_high": other_share_high,
+}
+
+#: The diagnosis that fires on the same condition as each alert of dashboard/rules/ (the
+#: runbook entry of the alert names it; tests/dashboard/test_alerts_vs_findings.py checks a
+#: real Prometheus against `kvscope analyze` of the same run).
+ALERT_RULES: dict[str, str] = {
+    "KvscopeTTFTSLOFastBurn": "ttft_slo_burn",
+    "KvscopeTTFTSLOSlowBurn": "ttft_slo_burn",
+    "KvscopeRemoteReadFailureRatioHigh": "remote_failures_sustained",
+    "KvscopeRemoteOperationsFailing": "remote_failures_sustained",
+    "KvscopeRemoteBreakerOpen": "remote_breaker_open",
+    "KvscopeRecomputeStorm": "recompute_storm",
+    "KvscopeTokenHitShareDrop": "token_hit_share_drop",
+    "KvscopeBlockPoolExhausted": "preemption_thrash",
+    "KvscopePreemptionRateHigh": "preemption_thrash",
+    "KvscopeGPUXidError": "gpu_xid_errors",
+    "KvscopeNICErrors": "nic_errors",
 }
 
 

@@ -11,7 +11,8 @@ from analyzers.diagnose.model import Context, Finding, NotEvaluated, dur, pct, s
 _REUSE = ("lookup_tokens", "device_hit_tokens", "host_loaded_tokens", "remote_loaded_tokens")
 #: Load failures that mean the remote tier (not the pool) failed.
 REMOTE_FAILURE_COLUMNS: tuple[str, ...] = tuple(
-    f"load_failed_{r}_tokens" for r in ("timeout", "checksum", "error", "circuit_open"))
+    f"load_failed_{r}_tokens" for r in ("timeout", "checksum", "mismatch", "error",
+                                        "circuit_open"))
 #: Event names that mark the remote tier failing.
 REMOTE_FAILURE_EVENTS: tuple[str, ...] = ("load_failed", "circuit_open", "fault")
 
@@ -42,6 +43,14 @@ def hit_rate_high_by_requests_low_by_tokens(ctx: Context) -> Finding | NotEvalua
         f"a hitting request reused a median of {int(np.median(reused[hitting])):,} tokens of "
         f"a median {int(np.median(lookup[hitting])):,} lookup tokens",
     ]
+    cost = ctx.cost
+    saved_ns = None
+    if cost.fitted:
+        saved_ns = float(reused[known].sum()) * cost.per_token_ns
+        missed = float((lookup - reused)[known].clip(min=0).sum()) * cost.per_token_ns
+        evidence.append(f"the reuse saved about {dur(saved_ns)} of prefill over the run; the "
+                        f"lookup tokens not reused cost about {dur(missed)} (at the fitted "
+                        f"{cost.per_token_ns / 1e3:,.1f} us per token)")
     _note(evidence, ctx, _REUSE)
     with np.errstate(divide="ignore", invalid="ignore"):
         own = np.where(lookup > 0, reused / np.where(lookup > 0, lookup, 1), 1.0)
@@ -54,10 +63,12 @@ def hit_rate_high_by_requests_low_by_tokens(ctx: Context) -> Finding | NotEvalua
         next_step=("Lengthen the shared prefix: put the shared content (system prompt, "
                    "documents, tool schemas) first in the prompt template and the per-request "
                    "parts (user id, timestamps) after it; a smaller block also reuses short "
-                   f"prefixes: {ctx.flag('block_size', '--block-size', 0.5)}."),
+                   "prefixes: " + ctx.scaled("block_size", "--block-size", 0.5,
+                                             "the engine's --block-size halved") + "."),
         metrics={"requests_with_hit": by_req.numerator, "requests": by_req.denominator,
                  "request_share": rv, "reused_tokens": by_tok.numerator,
-                 "lookup_tokens": by_tok.denominator, "token_share": tv},
+                 "lookup_tokens": by_tok.denominator, "token_share": tv,
+                 "saved_ns": saved_ns},
         requests=ctx.examples(hitting, -own),
     )
 
@@ -102,10 +113,14 @@ def promised_hits_evicted(ctx: Context) -> Finding | NotEvaluated | None:
         title=f"{pct(r.numerator, r.denominator)} of promised hits were evicted before "
               "admission",
         evidence=evidence,
-        next_step=("Keep promised blocks alive until admission: grow the pool that evicted "
-                   f"them ({ctx.flag('num_blocks', '--num-blocks', 2)} for the device pool, or "
-                   "the host tier's capacity), pin promised blocks from lookup to admission, "
-                   f"or shorten the queue ({ctx.flag('max_num_seqs', '--max-num-seqs', 2)})."),
+        next_step=("Keep promised blocks alive until admission: pin them from lookup to "
+                   "admission, or grow the pool that evicted them: "
+                   + ctx.scaled("num_blocks", "--num-blocks", 2,
+                                "the engine's KV pool (vLLM: --gpu-memory-utilization)")
+                   + ", then `kvscope compare`" + ctx.see("evicted.json",
+                                                           ctx.examples(hit, evicted),
+                                                           "the requests that lost them")
+                   + "."),
         metrics={"evicted_tokens": r.numerator, "promised_tokens": r.denominator,
                  "share": frac, "requests_hit": int(hit.sum()),
                  "requests_with_promise": int(with_promise.sum())},
@@ -114,8 +129,11 @@ def promised_hits_evicted(ctx: Context) -> Finding | NotEvaluated | None:
 
 
 def recompute_storm(ctx: Context) -> Finding | NotEvaluated | None:
-    """A window whose recomputed tokens/s spikes above the run's median window while the
-    remote tier fails (failed loads, an open circuit breaker)."""
+    """Recompute driven by a failing remote tier: failed remote loads made up a large share of
+    the recompute (over the run, or in a window), or a window's recomputed tokens/s spiked
+    above the run's median while the remote failed (KvscopeRecomputeStorm). The evidence only
+    claims the failures it shows: failed loads from the accounting, failure events (injected
+    faults, circuit_open) when only those are seen."""
     rule = "recompute_storm"
     gap = ctx.accounting_gap(("recomputed_tokens",))
     if gap:
@@ -141,20 +159,18 @@ def recompute_storm(ctx: Context) -> Finding | NotEvaluated | None:
     origin = ctx.origin_ns
     t0 = origin + ((int(ts.min()) - origin) // window) * window
     n_win = int((int(ts.max()) - t0) // window) + 1
-    if n_win < cfg.storm_min_windows:
-        return NotEvaluated(rule, f"the run spans {n_win} window(s) of {dur(window)}; a "
-                                  f"baseline needs {cfg.storm_min_windows}")
+    recomputed = ctx.tokens("recomputed_tokens")
     w = (ts - t0) // window
-    tok = np.bincount(w, weights=ctx.tokens("recomputed_tokens")[known], minlength=n_win)
+    tok = np.bincount(w, weights=recomputed[known], minlength=n_win)
     rate = tok / (window / 1e9)
     median = float(np.median(rate))
-    spike = (rate > 0) & (rate >= cfg.storm_factor * median)
 
+    failed = sum(ctx.tokens(c) for c in REMOTE_FAILURE_COLUMNS)
+    f_known = ctx.known(REMOTE_FAILURE_COLUMNS) if has_fail_cols else np.zeros(
+        len(ctx.requests), bool)
     fail_tok = np.zeros(n_win)
     fail_req = np.zeros(n_win, np.int64)
     if has_fail_cols:
-        f_known = ctx.known(REMOTE_FAILURE_COLUMNS)
-        failed = sum(ctx.tokens(c) for c in REMOTE_FAILURE_COLUMNS)
         sel = f_known & (failed > 0)
         fw = (t_ft[sel] - t0) // window
         ok = (fw >= 0) & (fw < n_win)
@@ -170,50 +186,83 @@ def recompute_storm(ctx: Context) -> Finding | NotEvaluated | None:
         ok = is_fail & (ew >= 0) & (ew < n_win)
         ev_count = np.bincount(ew[ok], minlength=n_win)
         open_count = np.bincount(ew[ok & (names == "circuit_open")], minlength=n_win)
-    storm = spike & ((fail_tok > 0) | (ev_count > 0))
-    if not storm.any():
+    failing = (fail_tok > 0) | (ev_count > 0)
+    # (a) failure-driven: failed remote loads are a large part of what was recomputed.
+    total_fail = int(failed[f_known].sum()) if has_fail_cols else 0
+    total_rec = int(recomputed[known].sum())
+    driven_run = total_rec > 0 and total_fail >= cfg.storm_failure_share * total_rec
+    with np.errstate(divide="ignore", invalid="ignore"):
+        win_share = np.where(tok > 0, fail_tok / np.where(tok > 0, tok, 1), 0.0)
+    driven = (win_share >= cfg.storm_failure_share) & (fail_tok > 0)
+    # (b) a spike of recompute while the remote fails (the alert's condition).
+    spike = (rate > 0) & (rate >= cfg.storm_factor * median) & failing
+    if n_win < cfg.storm_min_windows:
+        spike[:] = False
+    storm = driven | spike
+    if not storm.any() and not driven_run:
+        if n_win < cfg.storm_min_windows and not total_fail:
+            return NotEvaluated(rule, f"the run spans {n_win} window(s) of {dur(window)}; a "
+                                      f"baseline needs {cfg.storm_min_windows}")
         return None
-    worst = int(np.flatnonzero(storm)[np.argmax(rate[storm])])
+    pick = storm if storm.any() else (tok > 0)
+    worst = int(np.flatnonzero(pick)[np.argmax(np.where(pick, fail_tok + rate, -1)[pick])])
     start_s = (t0 - origin + worst * window) / 1e9
     end_s = start_s + window / 1e9
     in_worst = known & ((t_ft - t0) // window == worst)
     n_in = int(in_worst.sum())
-    examples = ctx.examples(in_worst, ctx.tokens("recomputed_tokens"))
-    evidence = [
+    evidence = []
+    if total_fail:
+        evidence.append(f"over the run, {share(total_fail, total_rec, 'recomputed tokens')} "
+                        "were promised remote tokens that failed to load ("
+                        + failure_reasons(ctx, f_known) + ")")
+    evidence.append(
         f"window {start_s:,.3f} s .. {end_s:,.3f} s after the run's start (first tokens in "
-        f"it): "
-        f"{int(tok[worst]):,} recomputed tokens / {window / 1e9:,.3f} s = "
+        f"it): {int(tok[worst]):,} recomputed tokens / {window / 1e9:,.3f} s = "
         f"{rate[worst]:,.0f} tokens/s vs a median of {median:,.0f} tokens/s over {n_win} "
-        f"windows ({_times(rate[worst], median)})",
-        f"{int(storm.sum())} / {n_win} windows spiked together with remote failures",
-    ]
-    if has_fail_cols:
+        f"windows ({_times(rate[worst], median)})")
+    if fail_tok[worst]:
+        part = share(int(fail_tok[worst]), int(tok[worst]), "recomputed tokens")
         evidence.append(f"in that window {share(int(fail_req[worst]), n_in, 'requests')} had "
-                        f"failed remote loads ({int(fail_tok[worst]):,} tokens: "
-                        + _reasons(ctx, in_worst) + ")")
+                        f"failed remote loads ({part}: " + failure_reasons(ctx, in_worst) + ")")
     if ev_count[worst]:
         evidence.append(f"{int(ev_count[worst])} remote failure event(s) in that window, "
                         f"{int(open_count[worst])} of them circuit_open")
+    evidence.append(f"{int(storm.sum())} / {n_win} windows with failure-driven or spiking "
+                    "recompute")
     _note(evidence, ctx, ("recomputed_tokens",))
-    breaker = bool(open_count[storm].sum())
+    breaker = bool(open_count.sum())
+    examples = ctx.examples(in_worst, recomputed)
+    if total_fail:
+        why = ("Every failed remote load became prefill work: raise the remote load timeout "
+               "if loads timed out, stop promising remote hits while the breaker is open, "
+               "and look at the remote tier in that window")
+    else:
+        why = ("The remote tier failed (failure events, no failed loads: lookups failed and "
+               "promised nothing, so prefixes it holds were recomputed); look at the remote "
+               "tier in that window")
+    without = ctx.rerun("--remote", drop=True)
     return Finding(
         rule=rule, severity="critical" if breaker else "warning",
-        title=f"Recompute storm: recomputed tokens/s reached {_times(rate[worst], median)} the "
-              "median while the remote tier failed",
+        title=("Recompute storm: " + (
+            f"{pct(total_fail, total_rec)} of recomputed tokens were failed remote loads"
+            if driven_run else
+            f"{pct(fail_tok[worst], tok[worst])} of the recompute in {start_s:,.3f} s .. "
+            f"{end_s:,.3f} s were failed remote loads" if driven[worst] else
+            f"recomputed tokens/s reached {_times(rate[worst], median)} the median while "
+            "the remote tier failed")),
         evidence=evidence,
-        next_step=("Every failed remote load became prefill work: look at the remote tier in "
-                   "that window (`"
-                   + ctx.timeline_command("storm.json", examples, window=(start_s, end_s))
-                   + "`), raise the remote load "
-                   "timeout if loads timed out, and stop promising remote hits at lookup while "
-                   "the circuit breaker is open."),
+        next_step=(why + ctx.see("storm.json", examples, "its requests",
+                                 window=(start_s, end_s))
+                   + (f"; what recompute alone costs: `{without}`, then `kvscope compare`"
+                      if without else "") + "."),
         metrics={"window_ns": int(window), "windows": n_win, "storm_windows": int(storm.sum()),
                  "worst_window_start_ns": int(t0 + worst * window),
                  "worst_window_start_s": start_s,
                  "worst_tokens_per_s": float(rate[worst]), "median_tokens_per_s": median,
                  "worst_failed_tokens": int(fail_tok[worst]),
                  "worst_failure_events": int(ev_count[worst]),
-                 "circuit_open_events": int(open_count[storm].sum())},
+                 "failed_tokens": total_fail, "recomputed_tokens": total_rec,
+                 "circuit_open_events": int(open_count.sum())},
         requests=examples,
     )
 
@@ -228,7 +277,8 @@ def _times(v: float, base: float) -> str:
     return f"{v / base:,.1f}x" if base > 0 else "from a median of 0"
 
 
-def _reasons(ctx: Context, mask: np.ndarray) -> str:
+def failure_reasons(ctx: Context, mask: np.ndarray) -> str:
+    """``timeout 1,024, checksum 256``: remote-failed tokens of `mask` by reason."""
     parts = []
     for c in REMOTE_FAILURE_COLUMNS:
         t = int(ctx.tokens(c)[mask].sum())
@@ -240,6 +290,7 @@ def _reasons(ctx: Context, mask: np.ndarray) -> str:
 __all__ = [
     "REMOTE_FAILURE_COLUMNS",
     "REMOTE_FAILURE_EVENTS",
+    "failure_reasons",
     "hit_rate_high_by_requests_low_by_tokens",
     "promised_hits_evicted",
     "recompute_storm",

@@ -11,9 +11,43 @@ prefix chains are evicted before their heads.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
 from instrumented_engine.core.block_hash import BlockHash
+
+
+class EvictedDigests:
+    """The digests a pool evicted, most recent last, bounded to `capacity` (the oldest are
+    forgotten): so that a block computed or loaded again after its eviction is seen as such
+    (cache thrash). Not thread-safe: each owner guards it as it guards its pool."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self._d: OrderedDict[bytes, None] = OrderedDict()
+
+    def add(self, digest: bytes) -> None:
+        d = self._d
+        d[digest] = None
+        d.move_to_end(digest)
+        if len(d) > self.capacity:
+            d.popitem(last=False)
+
+    def pop(self, digest: bytes) -> bool:
+        """Whether `digest` had been evicted (and forget it: it is cached again)."""
+        return self._d.pop(digest, 0) is None
+
+    def __contains__(self, digest: bytes) -> bool:
+        return digest in self._d
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+def evicted_capacity(num_blocks: int) -> int:
+    """How many evicted digests a pool of `num_blocks` remembers: four pools' worth, at least
+    65,536 and at most 2^20 (about 100 MB of digests at the most)."""
+    return min(1 << 20, max(1 << 16, 4 * num_blocks))
 
 
 class KVBlock:
@@ -107,6 +141,8 @@ class BlockPool:
         self.num_cached_free = 0
         #: Blocks evicted since the last `take_evictions()` (the engine reports them as events).
         self.evicted = 0
+        #: Digests evicted so far (bounded), to tell a block cached again after its eviction.
+        self.gone = EvictedDigests(evicted_capacity(num_blocks))
 
     # ------------------------------------------------------------------ queries
     @property
@@ -152,23 +188,29 @@ class BlockPool:
             self.on_evict(b.block_id, h)
         if self.cached.get(h) is b:
             del self.cached[h]
+            self.gone.add(h)
         b.block_hash = None
         self.num_cached_free -= 1
         self.evicted += 1
 
-    def cache_block(self, b: KVBlock, block_hash: BlockHash) -> None:
+    def cache_block(self, b: KVBlock, block_hash: BlockHash) -> bool:
         """Publish a full, computed (or being computed this step) block under `block_hash`.
 
         If another block already holds the hash (two requests computed the same prefix at
         once), the first stays the cached one and `b` stays unhashed: it becomes `empty` when
         freed.
+
+        Returns:
+            Whether this digest had been evicted from the pool earlier (it was needed again:
+            recomputed, or loaded from another tier).
         """
         if not self.enable_caching or b.block_hash is not None:
-            return
+            return False
         if block_hash in self.cached:
-            return
+            return False
         b.block_hash = block_hash
         self.cached[block_hash] = b
+        return self.gone.pop(block_hash)
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference per block, in the order given (callers pass reverse order)."""

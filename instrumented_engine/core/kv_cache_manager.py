@@ -20,6 +20,9 @@ class KVCacheManager:
     def __init__(self, pool: BlockPool, block_size: int) -> None:
         self.pool = pool
         self.block_size = block_size
+        #: Chain positions of the blocks the last `allocate_slots` cached again after an
+        #: earlier eviction.
+        self.recached: list[int] = []
 
     def hash_prompt(self, req: Request) -> None:
         """Compute the chained digests of the request's full blocks (at arrival)."""
@@ -69,6 +72,7 @@ class KVCacheManager:
             False (and changes nothing) when the pool lacks free blocks.
         """
         bs = self.block_size
+        self.recached = []
         total = req.num_computed_tokens + len(new_computed) * bs + num_new_tokens
         need = -(-total // bs) - len(req.blocks) - len(new_computed)
         # A hit on a cached-free block takes it out of the free queue too.
@@ -89,8 +93,10 @@ class KVCacheManager:
             if n_full > req.num_cached_blocks:
                 extend_block_hashes(req.block_hashes, req.token_ids[: n_full * bs], bs,
                                     req.namespace)
+                again = self.recached
                 for i in range(req.num_cached_blocks, n_full):
-                    self.pool.cache_block(req.blocks[i], req.block_hashes[i])
+                    if self.pool.cache_block(req.blocks[i], req.block_hashes[i]):
+                        again.append(i)
                 req.num_cached_blocks = n_full
         return True
 

@@ -4,7 +4,8 @@
 --fault remote-corrupt-rate=0.05 --fault remote-down-after=5s` parses into one `FaultSpec`
 (`remote-latency` delays every operation; `remote-read-latency`, `remote-lookup-latency` and
 `remote-write-latency` delay one kind only, e.g. reads slower than their deadline while lookups
-stay fast);
+stay fast; `remote-concurrency=N` makes the store serve N reads at a time, the others waiting
+their turn, as a load path that serialises requests does);
 `FaultyRemote` applies it around a raw store, below the resilience layer, so injected faults
 travel the same classification, retry and breaker paths as real ones. It exposes only the
 batched `read_many`, so reads under injection take the copy path even for a file store (the
@@ -36,6 +37,7 @@ _KEYS = {
     "remote-error-rate": "error_rate",
     "remote-corrupt-rate": "corrupt_rate",
     "remote-down-after": "down_after_s",
+    "remote-concurrency": "read_concurrency",
 }
 
 
@@ -54,6 +56,8 @@ class FaultSpec:
         error_rate: probability that an operation fails, in [0, 1].
         corrupt_rate: probability that each object read comes back with a flipped byte, [0, 1].
         down_after_s: every operation fails from this many seconds after start on (None: never).
+        read_concurrency: reads served at once (None: no limit); a read beyond it waits for a
+            slot, inside its deadline (the injected read latency is served in the slot).
         seed: seeds the RNG so a run's faults repeat exactly.
     """
 
@@ -64,6 +68,7 @@ class FaultSpec:
     error_rate: float = 0.0
     corrupt_rate: float = 0.0
     down_after_s: float | None = None
+    read_concurrency: int | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -79,12 +84,15 @@ class FaultSpec:
                 raise InputError(f"--fault {flag} must be in [0, 1], got {v}")
         if self.down_after_s is not None and not self.down_after_s >= 0:
             raise InputError(f"--fault remote-down-after must be >= 0, got {self.down_after_s}")
+        if self.read_concurrency is not None and not 1 <= self.read_concurrency <= 4096:
+            raise InputError(f"--fault remote-concurrency must be 1 to 4096 reads, got "
+                             f"{self.read_concurrency}")
 
     @property
     def active(self) -> bool:
         return bool(self.latency_s or self.read_latency_s or self.lookup_latency_s
                     or self.write_latency_s or self.error_rate or self.corrupt_rate
-                    or self.down_after_s is not None)
+                    or self.down_after_s is not None or self.read_concurrency is not None)
 
     def latency_of(self, op: str) -> float:
         """Seconds injected before one operation of kind `op` (lookup, read, write)."""
@@ -124,8 +132,14 @@ def parse_faults(flags: Sequence[str], seed: int = 0) -> FaultSpec:
         if not sep or name not in _KEYS:
             raise InputError(f"--fault {flag!r}: expected NAME=VALUE with NAME one of "
                              f"{', '.join(_KEYS)}")
+        parsed: float | int
         if name.endswith("-latency") or name == "remote-down-after":
             parsed = _duration(name, value)
+        elif name == "remote-concurrency":
+            try:
+                parsed = int(value)
+            except ValueError:
+                raise InputError(f"--fault {flag}: expected a whole number of reads") from None
         else:
             parsed = _rate(name, value)
         spec = replace(spec, **{_KEYS[name]: parsed})
@@ -161,6 +175,8 @@ class FaultyRemote:
         self._down_reported = False
         self._rng = random.Random(spec.seed)
         self._lock = threading.Lock()
+        self._slots = (threading.BoundedSemaphore(spec.read_concurrency)
+                       if spec.read_concurrency is not None else None)
 
     def _before(self, op: str) -> None:
         s = self.spec
@@ -194,6 +210,13 @@ class FaultyRemote:
         return chain_lookup(self, block_hashes, start, self.lookup_batch)
 
     def read_many(self, block_hashes: Sequence[bytes]) -> list[bytes | None]:
+        if self._slots is None:
+            return self._read(block_hashes)
+        self.stats.add("injected_queued_reads")
+        with self._slots:  # one of N reads in service; the rest queue here
+            return self._read(block_hashes)
+
+    def _read(self, block_hashes: Sequence[bytes]) -> list[bytes | None]:
         self._before("read")
         out = self.inner.read_many(block_hashes)
         if not self.spec.corrupt_rate:

@@ -83,6 +83,10 @@ class TierFlow:
         """The `KVTier`s the arrival lookup asks, in chain order."""
         return tuple(t for t in (self.host, self.remote) if t is not None)
 
+    def host_evicted(self, digest: bytes) -> bool:
+        """Whether the host tier evicted `digest` earlier (so it could not supply it)."""
+        return self.host is not None and self.host.was_evicted(digest)
+
     def _tid(self) -> int:
         return -1 if self.rec is None else self.rec.new_transfer_id()
 

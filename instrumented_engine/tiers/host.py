@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from instrumented_engine.core.block_pool import EvictedDigests, evicted_capacity
 from instrumented_engine.tiers.format import BlockLayout, byte_view
 from instrumented_engine.tiers.stats import OpStats
 
@@ -65,6 +66,7 @@ class HostKVPool:
         self._reserved: dict[bytes, int] = {}
         self._refs = [0] * num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out slot 0 first
+        self._gone = EvictedDigests(evicted_capacity(num_blocks))
 
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
@@ -72,6 +74,11 @@ class HostKVPool:
 
     def __contains__(self, digest: bytes) -> bool:
         return digest in self._index
+
+    def was_evicted(self, digest: bytes) -> bool:
+        """Whether the pool evicted `digest` and does not hold it again (bounded memory)."""
+        with self._lock:
+            return digest in self._gone and digest not in self._index
 
     def lookup(self, block_hashes: Sequence[bytes], start: int = 0) -> int:
         """Contiguous blocks held from `block_hashes[start]` on; hits become most recent.
@@ -140,6 +147,7 @@ class HostKVPool:
         for victim, slot in self._index.items():
             if self._refs[slot] == 0:
                 del self._index[victim]
+                self._gone.add(victim)
                 self.stats.add("evictions")
                 return slot, victim
         raise HostPoolFull(f"all {self.num_blocks} host blocks are referenced")

@@ -57,3 +57,7 @@ class TierLoader(Protocol):
     def admitted(self, req: Request, num_hit_blocks: int) -> None:
         """The request was admitted with blocks allocated: load what `prepare` held."""
         ...
+
+    def host_evicted(self, digest: BlockHash) -> bool:
+        """Whether the host tier evicted `digest` earlier in the run."""
+        ...

@@ -261,15 +261,18 @@ def test_recompute_storm_fires_with_breaker() -> None:
     cfg = DiagnoseConfig(storm_window_ns=500 * MS)
     f = one("recompute_storm", req, spans, events=ev, config=cfg)
     assert isinstance(f, Finding) and f.severity == "critical"
-    assert f.evidence[0] == ("window 2.000 s .. 2.500 s after the run's start (first tokens "
-                             "in it): 10,000 "
-                             "recomputed tokens / 0.500 s = 20,000 tokens/s vs a median of "
-                             "1,000 tokens/s over 8 windows (20.0x)")
+    # By hand: 5 x 1,900 failed tokens of 5 x 2,000 + 35 x 100 = 13,500 recomputed.
+    assert f.evidence[0] == ("over the run, 9,500 / 13,500 recomputed tokens (70.4 %) were "
+                             "promised remote tokens that failed to load (timeout 9,500)")
+    assert f.evidence[1] == ("window 2.000 s .. 2.500 s after the run's start (first tokens "
+                             "in it): 10,000 recomputed tokens / 0.500 s = 20,000 tokens/s vs "
+                             "a median of 1,000 tokens/s over 8 windows (20.0x)")
     assert f.evidence[2] == ("in that window 5 / 5 requests (100.0 %) had failed remote loads "
-                             "(9,500 tokens: timeout 9,500)")
+                             "(9,500 / 10,000 recomputed tokens (95.0 %): timeout 9,500)")
     assert f.evidence[3] == "1 remote failure event(s) in that window, 1 of them circuit_open"
     assert f.metrics["storm_windows"] == 1
     assert "--window 2.000:2.500" in f.next_step
+    assert "Every failed remote load became prefill work" in f.next_step
 
 
 def test_recompute_storm_quiet_without_failures_or_without_spike() -> None:
@@ -281,12 +284,43 @@ def test_recompute_storm_quiet_without_failures_or_without_spike() -> None:
     assert one("recompute_storm", req, spans, events=fail_ev, config=cfg) is None
 
 
-def test_recompute_storm_needs_windows() -> None:
-    req, spans, ev = _storm(fail=True)
+def test_recompute_storm_sustained_failure_driven_recompute_without_a_spike() -> None:
+    """Every request loses half its prompt to failed remote loads, evenly: no window spikes
+    against the median, yet the recompute is the failure's (the case the spike rule missed)."""
+    acct = [{"prompt_tokens": 200, "recomputed_tokens": 200, "remote_hit_tokens": 100,
+             "load_failed_tokens": 100, "load_failed_error_tokens": 100} for _ in range(40)]
+    req, spans = build([{"prefill": 10 * MS}] * 40, acct)
+    f = one("recompute_storm", req, spans, events=events([]),
+            config=DiagnoseConfig(storm_window_ns=500 * MS))
+    assert isinstance(f, Finding) and f.severity == "warning"
+    assert f.title == "Recompute storm: 50.0 % of recomputed tokens were failed remote loads"
+    assert f.metrics["failed_tokens"] == 4000 and f.metrics["recomputed_tokens"] == 8000
+    assert f.metrics["storm_windows"] == 8
+
+
+def test_recompute_storm_claims_only_the_failures_it_shows() -> None:
+    """Failure events and a spike, but no failed loads (lookups failed, nothing promised):
+    the finding says so and never speaks of failed loads."""
+    req, spans, _ = _storm(fail=False)
+    ev = events([(T0 + 2100 * MS, "fault")])
+    f = one("recompute_storm", req, spans, events=ev,
+            config=DiagnoseConfig(storm_window_ns=500 * MS))
+    assert isinstance(f, Finding)
+    assert not any("failed remote loads" in e or "failed to load" in e for e in f.evidence)
+    assert "Every failed remote load" not in f.next_step
+    assert "no failed loads" in f.next_step
+
+
+def test_recompute_storm_needs_windows_unless_failures_drive_it() -> None:
+    req, spans, ev = _storm(fail=False)
     out = one("recompute_storm", req, spans, events=ev,
               config=DiagnoseConfig(storm_window_ns=2 * S))
     assert out == NotEvaluated("recompute_storm",
                                "the run spans 2 window(s) of 2,000.0 ms; a baseline needs 4")
+    req, spans, ev = _storm(fail=True)
+    f = one("recompute_storm", req, spans, events=ev,
+            config=DiagnoseConfig(storm_window_ns=2 * S))
+    assert isinstance(f, Finding) and f.metrics["failed_tokens"] == 9500
 
 
 # --------------------------------------------------------------------------------------------
@@ -448,7 +482,7 @@ def test_imported_run_without_accounting() -> None:
         assert reasons[rule].startswith("no accounting in this source"), rule
     assert [f.rule for f in rep.findings] == ["other_share_high", "queue_dominated_p99"]
     assert rep.findings[0].severity == "critical"  # 50 % other
-    assert set(rep.passed) == {"sync_stalls"}
+    assert set(rep.passed) == {"sync_stalls", "ttft_slo_burn"}
     assert len(rep.findings) + len(rep.not_evaluated) + len(rep.passed) == len(RULES)
 
 
@@ -511,14 +545,27 @@ def test_config_from_dict_and_unknown_rule() -> None:
 def test_next_step_names_the_runs_current_flags() -> None:
     req, spans = _tail(900, 100)
     run_config = {"options": {"max_num_seqs": 2, "max_batched_tokens": 512, "rate": 200.0,
-                              "num_blocks": 512}}
+                              "num_blocks": 512},
+                  "command": ["kvscope", "run", "--max-num-seqs", "2", "--rate", "200.0"]}
     rep = diagnose_report(req, spans, rules=("queue_dominated_p99",), run_config=run_config)
     assert rep.findings[0].next_step == (
-        "Admission is the tail's bottleneck: try --max-num-seqs 4 (now 2) (running slots) and "
-        "--max-batched-tokens 1024 (now 512) (token budget per step), or --rate 100 (now 200) "
-        "(arrivals); if the KV pool is full, --num-blocks 1024 (now 512).")
+        "Admission is the tail's bottleneck; one factor at a time, and `kvscope compare` each "
+        "run with this one: more running slots, `kvscope run --max-num-seqs 4 --rate 200.0`; "
+        "or half the offered load, `kvscope run --max-num-seqs 2 --rate 100`.")
+    # A trace's load knob is --time-scale, never --rate.
+    trace_cfg = {"options": {"workload": "trace:t.jsonl", "time_scale": 0.5, "rate": 4.0,
+                             "max_num_seqs": 2},
+                 "command": ["kvscope", "run", "--workload", "trace:t.jsonl", "--time-scale",
+                             "0.5"]}
+    rep = diagnose_report(req, spans, rules=("queue_dominated_p99",), run_config=trace_cfg)
+    assert "`kvscope run --workload trace:t.jsonl --time-scale 1`" in rep.findings[0].next_step
+    assert "--rate" not in rep.findings[0].next_step
+    # An import names the engine's own knob and prints no kvscope command.
+    rep = diagnose_report(req, spans, rules=("queue_dominated_p99",))
+    assert "kvscope run" not in rep.findings[0].next_step
     f = one("hit_rate_high_by_requests_low_by_tokens", *_hits(32))
-    assert isinstance(f, Finding) and f.next_step.endswith("prefixes: --block-size.")
+    assert isinstance(f, Finding) and f.next_step.endswith(
+        "prefixes: the engine's --block-size halved.")
 
 
 def test_no_requests_means_nothing_evaluated() -> None:

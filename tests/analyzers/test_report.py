@@ -54,7 +54,9 @@ def test_json_report_layout(report: Report) -> None:
     assert (hit["numerator"], hit["denominator"], hit["unit"]) == (4352, 12032, "lookup tokens")
     assert set(doc["prefill"]) == {"cost", "saved"}
     assert doc["prefill"]["saved"]["reused_tokens"] == 4352
-    assert [f["rule"] for f in doc["findings"]] == ["recompute_storm", "promised_hits_evicted"]
+    assert [f["rule"] for f in doc["findings"]] == [
+        "remote_failures_sustained", "recompute_storm", "preemption_thrash",
+        "remote_breaker_open", "promised_hits_evicted", "token_hit_share_drop"]
     assert doc["partition_violations"] == []
 
 
@@ -115,11 +117,11 @@ def test_every_next_step_command_selects_exactly_its_evidence_requests(tmp_path:
             checked += 1
             if "--window" in argv:
                 # The window is on the report's time base: the evidence requests' first tokens
-                # (the storm's binning) lie inside it.
+                # (the storm bins by them) or arrivals (the hit-share drop) lie inside it.
                 lo, hi = (float(x) for x in argv[argv.index("--window") + 1].split(":"))
                 origin = run.meta["start_ns"]
-                ft = run.requests.set_index("request_id").loc[list(f.requests),
-                                                              "first_token_ns"]
+                col = "arrival_ns" if f.rule == "token_hit_share_drop" else "first_token_ns"
+                ft = run.requests.set_index("request_id").loc[list(f.requests), col]
                 secs = (ft.astype("int64") - origin) / 1e9
                 assert ((secs >= lo - 5e-4) & (secs < hi + 5e-4)).all(), (f.rule, lo, hi)
     assert checked >= 1
@@ -151,4 +153,4 @@ def test_one_time_base_for_windows_and_findings() -> None:
     storm = next(f for f in rep.diagnoses.findings if f.rule == "recompute_storm")
     start_s = storm.metrics["worst_window_start_s"]
     assert storm.metrics["worst_window_start_ns"] == origin + round(start_s * 1e9)
-    assert f"window {start_s:,.3f} s .. " in storm.evidence[0]
+    assert any(e.startswith(f"window {start_s:,.3f} s .. ") for e in storm.evidence)

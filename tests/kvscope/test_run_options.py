@@ -43,3 +43,34 @@ def test_bounds_are_shown_in_help_and_enforced() -> None:
     with pytest.raises(InputError, match="--remote-timeout-ms: must be > 0 and <= 600,000"):
         RunOptions(remote_timeout_ms=0.0)
     RunOptions(remote_timeout_ms=600_000.0, rate=0.0, scale=None)  # the edges are allowed
+
+
+def test_to_argv_round_trips_through_the_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command recorded in run.json parses back into the same options (less --out)."""
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    import kvscope.session
+    from kvscope.run_options import to_argv
+
+    opts = RunOptions(workload="chat", num_requests=7, seed=5, model="tiny", num_blocks=96,
+                      prefix_caching=False, rate=0.0, tenants=3, host_blocks=64,
+                      remote="file:///tmp/x", faults=("remote-error-rate=0.5",
+                                                      "remote-concurrency=1"),
+                      remote_timeout_ms=250.0, tenant_prefix_tokens=640, collectors=False,
+                      out=Path("/tmp/elsewhere"))
+    argv = to_argv(opts)
+    assert argv[:2] == ["kvscope", "run"] and "--out" not in argv
+    assert argv.count("--fault") == 2 and "--no-prefix-caching" in argv
+    assert "--num-requests" in argv and "--workload" in argv and "--seed" in argv
+    seen: list[RunOptions] = []
+    monkeypatch.setattr(kvscope.session, "run_session",
+                        lambda o, **_: seen.append(o) or (_ for _ in ()).throw(SystemExit(0)))
+    CliRunner().invoke(app, argv[1:])
+    assert len(seen) == 1
+    from dataclasses import replace
+    assert replace(seen[0], out=None) == replace(opts, out=None)
+    assert to_argv(RunOptions()) == ["kvscope", "run"]
+    assert to_argv(RunOptions(remote="redis://u:pw@h:1/0"), redact=lambda s: s.replace(
+        "pw", "***")) == ["kvscope", "run", "--remote", "redis://u:***@h:1/0"]
