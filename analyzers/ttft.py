@@ -82,10 +82,12 @@ def _tiles(r: np.ndarray, start: np.ndarray, end: np.ndarray, arrival: np.ndarra
     starts plus ``first`` equals the multiset of their ends plus ``arrival`` (then exactly one
     span covers every instant). Multisets are compared through sums of a 64-bit hash together
     with the exact sum of durations; a false "tiles" needs a 64-bit hash collision on data that
-    also has the right total (probability ~2^-64 per request).
+    also has the right total (probability ~2^-64 per request). Zero-length spans cancel out of
+    both multisets, so each span must also lie inside the window (one at -1 ns of a request
+    with TTFT 0 would otherwise "tile" it).
     """
     dur = end - start
-    bad = np.bincount(r[dur < 0], minlength=n)
+    bad = np.bincount(r[(dur < 0) | (start < arrival[r]) | (end > first[r])], minlength=n)
     total = F.group_sums(r, dur, n)
     with np.errstate(over="ignore"):
         h = np.zeros(n, dtype=np.uint64)  # sum of hash(start) - hash(end), mod 2^64

@@ -205,9 +205,15 @@ def _show(v: float) -> str:
 
 
 def default_out(workload: str) -> Path:
-    """Where a run goes without `--out`: runs/<workload>-<local time>."""
+    """Where a run goes without `--out`: runs/<workload>-<local time>, with -2, -3, ... when
+    a run of the same second is there already."""
     name = "trace" if workload.startswith("trace:") else workload
-    return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    base = Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out, k = base, 1
+    while out.exists():
+        k += 1
+        out = base.with_name(f"{base.name}-{k}")
+    return out
 
 
 def defaults() -> dict[str, Any]:

@@ -50,7 +50,9 @@ def preemption_thrash(ctx: Context) -> Finding | NotEvaluated | None:
     span_s = max(1e-9, (ctx.run_end_ns() - ctx.origin_ns) / 1e9)
     per_s = count / span_s
     frac = waste / computed if computed else 0.0
-    if not count or (frac < cfg.preemption_waste_share and per_s <= cfg.preemptions_per_s):
+    # A rate needs a few preemptions to mean anything (the alert's is over 10 minutes).
+    sustained = per_s > cfg.preemptions_per_s and count >= cfg.preemptions_min
+    if not count or (frac < cfg.preemption_waste_share and not sustained):
         return None
     hit = known & (n_pre > 0)
     evidence = [
@@ -84,8 +86,8 @@ def preemption_thrash(ctx: Context) -> Finding | NotEvaluated | None:
             + ".")
     return Finding(
         rule=rule,
-        severity="critical" if frac >= 2 * cfg.preemption_waste_share or exhausted else
-        "warning",
+        severity="critical" if frac >= 2 * cfg.preemption_waste_share or (
+            exhausted and frac >= cfg.preemption_waste_share) else "warning",
         title=f"Preemption thrash: {pct(waste, computed)} of computed prompt tokens thrown "
               f"away ({count:,} preemption(s)" + (", device pool exhausted)" if exhausted
                                                    else ")"),

@@ -49,8 +49,14 @@ def remote_load_slower_than_recompute(ctx: Context) -> Finding | NotEvaluated | 
     frac = n_lost / n
     if frac < cfg.remote_slower_share:
         return None
-    severity = "critical" if frac >= cfg.remote_slower_share_critical else "warning"
     lost_load, lost_rec = int(load_ns[lost].sum()), float(recompute_ns[lost].sum())
+    # What losing cost must matter: a share of the loading requests' TTFT.
+    ttft_loading = int(ctx.ns("ttft_ns")[loading].sum())
+    lost_share = (lost_load - lost_rec) / ttft_loading if ttft_loading else 0.0
+    if lost_share < cfg.remote_slower_min_ttft_share:
+        return None
+    severity = "critical" if frac >= cfg.remote_slower_share_critical else "warning"
+    lost_txt = time_share(lost_load - lost_rec, ttft_loading, "the loading requests' TTFT")
     tok = loaded[loading]
     threshold, above, above_won = _break_even(tok, lost[loading], cfg.remote_slower_share)
     examples = ctx.examples(lost, load_ns - recompute_ns)
@@ -61,7 +67,7 @@ def remote_load_slower_than_recompute(ctx: Context) -> Finding | NotEvaluated | 
         f"{cost.per_token_ns / 1e3:,.1f} us",
         f"the {n_lost:,} losing requests: {dur(lost_load)} loading vs {dur(lost_rec)} to "
         f"recompute their {int(loaded[lost].sum()):,} loaded tokens "
-        f"({dur(lost_load - lost_rec)} of TTFT lost to loading)",
+        f"({lost_txt} lost to loading)",
         f"median loaded tokens: {int(np.median(loaded[lost])):,} tokens in losing requests vs "
         + (f"{int(np.median(loaded[loading & ~lost])):,} in winning ones"
            if (loading & ~lost).any() else "no winning request"),
@@ -77,9 +83,9 @@ def remote_load_slower_than_recompute(ctx: Context) -> Finding | NotEvaluated | 
                 "with `kvscope compare`" + ctx.see("trace.json", examples, "the losing "
                                                    "requests") + ".")
     else:
-        without = ctx.rerun("--remote", drop=True)
-        step = ("Loading lost at every prefix length: run without the remote tier (recompute"
-                + (f": `{without}`" if without else "") + ") and compare with "
+        without, what = ctx.without("remote-read-latency", "remote-latency")
+        step = ("Loading lost at every prefix length: rerun without " + what
+                + (f" (`{without}`)" if without else "") + " and compare with "
                 "`kvscope compare`; then measure the remote tier's read bandwidth"
                 + ctx.see("trace.json", examples, "on the losing requests") + ".")
     return Finding(
@@ -89,6 +95,7 @@ def remote_load_slower_than_recompute(ctx: Context) -> Finding | NotEvaluated | 
         evidence=evidence, next_step=step,
         metrics={"requests_loading": n, "requests_lost": n_lost, "share": frac,
                  "per_token_ns": cost.per_token_ns, "lost_load_ns": lost_load,
+                 "lost_ttft_share": lost_share,
                  "lost_recompute_ns": lost_rec, "break_even_tokens": threshold},
         requests=examples,
     )
@@ -123,6 +130,11 @@ def queue_dominated_p99(ctx: Context) -> Finding | NotEvaluated | None:
     slowest = ctx.summary.slowest
     threshold = float(slowest.loc[slowest["stage"] == "queue", "threshold_ns"].iloc[0])
     ttft, queue = ctx.ns("ttft_ns"), ctx.ns("queue_ns")
+    # The tail is the requests at or above p99, and at least `tail_min_requests` of the
+    # slowest (one request is no tail to judge by).
+    k = min(n, cfg.tail_min_requests)
+    kth = float(np.sort(ttft[ctx.served])[::-1][k - 1])
+    threshold = min(threshold, kth)
     slow = ctx.served & (ttft >= threshold)
     q, t = int(queue[slow].sum()), int(ttft[slow].sum())
     frac = q / t if t else 0.0
@@ -132,7 +144,8 @@ def queue_dominated_p99(ctx: Context) -> Finding | NotEvaluated | None:
     hidden = int(ctx.ns("hidden_load_ns")[slow].sum())
     evidence = [
         f"queue: {time_share(q, t, 'TTFT')} summed over the "
-        f"{share(int(slow.sum()), n, 'requests')} at or above p99 TTFT ({dur(threshold)})",
+        f"{share(int(slow.sum()), n, 'requests')} at or above {dur(threshold)} of TTFT (p99, "
+        f"or the {cfg.tail_min_requests} slowest)",
         f"whole run: queue {time_share(all_q, all_t, 'TTFT')}",
         f"median queue time: {dur(float(np.median(queue[slow])))} in the tail vs "
         f"{dur(float(np.median(queue[ctx.served])))} over all requests",

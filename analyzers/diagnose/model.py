@@ -106,10 +106,13 @@ class DiagnoseConfig:
         examples: example request ids per finding.
         min_requests: requests with a first token needed before tail percentiles are judged.
         remote_slower_share / _critical: share of remote-loading requests whose load took
-            longer than recomputing the same tokens, to warn / to call critical.
+            longer than recomputing the same tokens, to warn / to call critical ...
+        remote_slower_min_ttft_share: ... when the time they lost is at least this share of
+            the loading requests' TTFT (a 16-token load losing 0.5 ms is no finding).
         hit_requests_share_min: request-level hit share at or above which ...
         hit_tokens_share_max: ... a token-level hit share at or below this is a finding.
         queue_p99_share / _critical: queue share of TTFT among requests at or above p99 TTFT.
+        tail_min_requests: the tail holds at least this many of the slowest requests.
         sync_share / _critical: sync share of summed TTFT.
         storm_window_ns: window of the recompute-storm rule (None: about ten windows per run).
         storm_factor: a window whose recomputed tokens/s is at least this many times the
@@ -126,13 +129,16 @@ class DiagnoseConfig:
         other_share / _critical: ``other`` share of summed TTFT.
         remote_failure_share / _critical: failed / promised remote tokens, or failed / all
             remote lookups and reads, over the run (the alerts' 5 %).
-        serial_min_loads: transfers needed before their serialisation is judged.
-        serial_slope_share: added duration per transfer in flight, as a share of one
-            transfer alone, from which loads count as serialised ...
-        serial_rank_corr: ... when duration and loads in flight also rank-correlate this much.
+        serial_min_loads: remote_read waits needed before their serialisation is judged.
+        serial_max_parallelism: an effective parallelism (one load's service time, the 10th
+            percentile of remote reads, over the added wait per waiting request) at or below
+            this is a serialised load path ...
+        serial_rank_corr: ... when the wait and the requests waiting also rank-correlate this
+            much.
         preemption_waste_share: computed tokens thrown away by preemption, as a share of all
             computed prompt tokens.
-        preemptions_per_s: sustained preemption rate (KvscopePreemptionRateHigh's 0.1/s).
+        preemptions_per_s: sustained preemption rate (KvscopePreemptionRateHigh's 0.1/s) ...
+        preemptions_min: ... over at least this many preemptions.
         slo_ttft_ns: the TTFT SLO threshold (the alerts' le="2.0" bucket).
         slo_target: the share of requests that may miss it (1 %); the fast and slow burns fire
             at 14.4x and 6x of it.
@@ -149,10 +155,12 @@ class DiagnoseConfig:
     min_requests: int = 10
     remote_slower_share: float = 0.10
     remote_slower_share_critical: float = 0.50
+    remote_slower_min_ttft_share: float = 0.05
     hit_requests_share_min: float = 0.50
     hit_tokens_share_max: float = 0.20
     queue_p99_share: float = 0.50
     queue_p99_share_critical: float = 0.80
+    tail_min_requests: int = 5
     sync_share: float = 0.10
     sync_share_critical: float = 0.30
     storm_window_ns: int | None = None
@@ -170,10 +178,11 @@ class DiagnoseConfig:
     remote_failure_share: float = 0.05
     remote_failure_share_critical: float = 0.25
     serial_min_loads: int = 8
-    serial_slope_share: float = 0.5
+    serial_max_parallelism: float = 4.0
     serial_rank_corr: float = 0.6
     preemption_waste_share: float = 0.10
     preemptions_per_s: float = 0.1
+    preemptions_min: int = 5
     slo_ttft_ns: int = 2_000_000_000
     slo_target: float = 0.01
     hit_drop_factor: float = 0.5
@@ -192,6 +201,7 @@ class DiagnoseConfig:
                      "sync_share", "sync_share_critical", "h2d_link_fraction",
                      "h2d_link_fraction_critical", "evicted_share", "other_share",
                      "other_share_critical", "remote_failure_share",
+                     "remote_slower_min_ttft_share",
                      "remote_failure_share_critical", "serial_rank_corr",
                      "preemption_waste_share", "slo_target", "hit_drop_factor",
                      "tenant_factor", "thrash_share", "storm_failure_share"):
@@ -216,10 +226,12 @@ class DiagnoseConfig:
         for name, low, strict in (("storm_factor", 1.0, True), ("storm_min_windows", 2, False),
                                   ("h2d_min_bytes", 1, False),
                                   ("serial_min_loads", 3, False),
-                                  ("serial_slope_share", 0.0, True),
+                                  ("serial_max_parallelism", 0.0, True),
                                   ("preemptions_per_s", 0.0, True),
                                   ("slo_ttft_ns", 0, True),
                                   ("tenant_min_requests", 1, False),
+                                  ("preemptions_min", 1, False),
+                                  ("tail_min_requests", 1, False),
                                   ("nic_imbalance_ratio", 1.0, True),
                                   ("nic_min_bytes_per_s", 0, False)):
             v = getattr(self, name)
@@ -380,6 +392,22 @@ class Context:
         for f, v in out:
             argv += [f] if v is None else [f, v]
         return shlex.join(argv)
+
+    def without(self, *faults: str) -> tuple[str | None, str]:
+        """The single-factor experiment that takes the remote tier's trouble away: when the run
+        injected one of `faults` (``--fault NAME=...``, in order of preference), the run's
+        command without that fault; otherwise without the remote tier (``--remote``
+        dropped). Returns (command or None for imports, what it removes, for text)."""
+        injected = [str(f) for f in self.options.get("faults") or ()]
+        for name in faults:
+            hit = next((f for f in injected if f.split("=")[0] == name), None)
+            if hit is not None:
+                return self.rerun("--fault", hit, drop=True), f"the injected --fault {hit}"
+        if injected:
+            # Faults need a remote tier: dropping --remote alone would not run.
+            hit = injected[0]
+            return self.rerun("--fault", hit, drop=True), f"the injected --fault {hit}"
+        return self.rerun("--remote", drop=True), "the remote tier"
 
     def slower_load(self) -> str | None:
         """The run's command with the offered load halved by the knob that fits its workload:

@@ -98,10 +98,11 @@ def remote_failures_sustained(ctx: Context) -> Finding | NotEvaluated | None:
                    "timeout)")
                 + ctx.see("remote.json", examples, "the requests that met it") + ".")
     else:
-        step_cmd = ctx.rerun("--remote", drop=True)
+        step_cmd, what = ctx.without("remote-error-rate", "remote-corrupt-rate",
+                                     "remote-down-after")
         step = ("The remote tier is failing: check its health (errors, corrupt or mismatched "
-                "objects, an open breaker); to measure what the tier is worth while it fails, "
-                + (f"run without it (`{step_cmd}`) and `kvscope compare` the two runs"
+                "objects, an open breaker); to measure what the failures cost, "
+                + (f"rerun without {what} (`{step_cmd}`) and `kvscope compare` the two runs"
                    if step_cmd else "run the engine without the remote connector and compare")
                 + ctx.see("remote.json", examples, "the requests that met it") + ".")
     worst_share = max(tok_share, ops_share)
@@ -228,81 +229,78 @@ def remote_breaker_open(ctx: Context) -> Finding | NotEvaluated | None:
 
 
 def load_serialisation(ctx: Context) -> Finding | NotEvaluated | None:
-    """Loads served one at a time: a remote read (or H2D copy) takes longer the more of them
-    are in flight, so TTFT grows as N x one load under concurrency."""
+    """Loads served a few at a time: the time a request waits in ``remote_read`` grows with
+    the number of requests waiting with it, by about one load per `parallelism` waiters (TTFT
+    ~ N x one load when the load path serves one request at a time). The slope (Theil-Sen) over
+    one load's time (the median ``remote_read`` transfer) is the path's effective
+    parallelism."""
     rule = "load_serialisation"
     sp = ctx.spans
     if not len(sp) or "kind" not in sp:
-        return NotEvaluated(rule, "no activity spans (transfers) in this source")
+        return NotEvaluated(rule, "no spans in this source")
     cfg = ctx.config
-    best: tuple[float, str, dict] | None = None
-    act = F.equals(sp["kind"], "activity")
-    n_loads = int((act & sp["name"].isin(("remote_read", "h2d")).to_numpy(bool)).sum())
-    if n_loads < cfg.serial_min_loads:
-        return NotEvaluated(rule, f"{n_loads} remote read or H2D transfer(s); "
+    waits = sp.loc[F.equals(sp["kind"], "state") & F.equals(sp["name"], "remote_read")]
+    if len(waits) < cfg.serial_min_loads:
+        return NotEvaluated(rule, f"{len(waits)} request(s) waited on a remote read; "
                                   f"{cfg.serial_min_loads} needed")
-    for name in ("remote_read", "h2d"):
-        sel = sp.loc[F.equals(sp["kind"], "activity") & F.equals(sp["name"], name)]
-        if len(sel) < cfg.serial_min_loads:
-            continue
-        s, e = F.ints(sel["start_ns"]), F.ints(sel["end_ns"])
-        d = (e - s).astype(np.float64)
-        # Loads in flight when each one started (itself included).
-        order_s, order_e = np.sort(s), np.sort(e)
-        inflight = (np.searchsorted(order_s, s, side="right")
-                    - np.searchsorted(order_e, s, side="right"))
-        if inflight.max() - inflight.min() < 2:
-            continue
-        slope, rho = _slope_and_rank_corr(inflight.astype(np.float64), d)
-        single = float(np.median(d[inflight == inflight.min()]))
-        if single <= 0:
-            continue
-        rel = slope / single
-        info = {"slope_ns": slope, "single_ns": single, "rho": rho, "loads": len(sel),
-                "inflight_max": int(inflight.max()), "inflight_min": int(inflight.min()),
-                "high_ns": float(np.median(d[inflight >= max(2, int(inflight.max()) // 2)])),
-                "ids": sel["request_id"].to_numpy(object), "d": d, "inflight": inflight}
-        if rel >= cfg.serial_slope_share and rho >= cfg.serial_rank_corr and (
-                best is None or rel > best[0]):
-            best = (rel, name, info)
-    if best is None:
+    s, e = F.ints(waits["start_ns"]), F.ints(waits["end_ns"])
+    d = (e - s).astype(np.float64)
+    order_s, order_e = np.sort(s), np.sort(e)
+    # Requests waiting when each one started waiting (itself included).
+    waiting = (np.searchsorted(order_s, s, side="right")
+               - np.searchsorted(order_e, s, side="right")).astype(np.float64)
+    if len(np.unique(waiting)) < 3:
         return None
-    rel, name, info = best
-    ids = info.pop("ids")
-    d, inflight = info.pop("d"), info.pop("inflight")
-    hi_mask = inflight >= max(2, info["inflight_max"] // 2)
-    worst_ids = [str(x) for x in ids[np.argsort(-d)] if isinstance(x, str)]
-    examples = tuple(dict.fromkeys(worst_ids))[: ctx.config.examples]
+    slope, rho = _slope_and_rank_corr(waiting, d)
+    reads = sp.loc[F.equals(sp["kind"], "activity") & F.equals(sp["name"], "remote_read")]
+    if len(reads):
+        # A read's own service time: the fastest tenth (slower ones queued inside the store).
+        one = float(np.quantile(F.ints(reads["end_ns"]) - F.ints(reads["start_ns"]), 0.1))
+        one_what = f"the 10th percentile of {len(reads):,} remote reads"
+    else:
+        one = float(np.median(d[waiting == waiting.min()]))
+        one_what = "the median wait with the fewest waiting"
+    if slope <= 0 or one <= 0 or rho < cfg.serial_rank_corr:
+        return None
+    parallelism = one / slope
+    if parallelism > cfg.serial_max_parallelism:
+        return None
+    top = waiting >= np.quantile(waiting, 0.9)
+    ids = waits["request_id"].to_numpy(object)
+    examples = tuple(str(x) for x in ids[np.argsort(-d, kind="stable")]
+                     [: ctx.config.examples])
     evidence = [
-        f"{name} duration grows {dur(info['slope_ns'])} per {name} in flight (Theil-Sen over "
-        f"{info['loads']:,} loads with {info['inflight_min']} to {info['inflight_max']} in "
-        f"flight; rank correlation {info['rho']:.2f})",
-        f"one load alone takes {dur(info['single_ns'])} (median at {info['inflight_min']} in "
-        f"flight); with {max(2, info['inflight_max'] // 2)}+ in flight the median is "
-        f"{dur(info['high_ns'])} ({info['high_ns'] / info['single_ns']:.1f}x): about N x one "
-        "load, as when loads are served one at a time",
-        f"{share(int(hi_mask.sum()), info['loads'], name + ' loads')} started with "
-        f"{max(2, info['inflight_max'] // 2)} or more in flight",
+        f"the wait in remote_read grows {dur(slope)} per request waiting with it (Theil-Sen "
+        f"over {len(waits):,} waits with {int(waiting.min())} to {int(waiting.max())} waiting; "
+        f"rank correlation {rho:.2f})",
+        f"one load takes {dur(one)} ({one_what}): the load path serves about "
+        f"{parallelism:.1f} load(s) at a time",
+        f"the {int(top.sum()):,} requests that arrived behind the most others waited a median "
+        f"{dur(float(np.median(d[top])))} vs {dur(float(np.median(d)))} over all waits",
     ]
     conc = next((f for f in ctx.options.get("faults") or ()
                  if str(f).startswith("remote-concurrency=")), None)
     if conc is not None:
         cmd = ctx.rerun("--fault", str(conc), drop=True)
         step = (f"The run limits the store to {str(conc).split('=')[1]} read(s) at a time "
-                f"(--fault {conc}); rerun without that limit (`{cmd}`) and `kvscope compare`.")
+                f"(--fault {conc}); rerun without that limit (`{cmd}`) and `kvscope compare`"
+                + ctx.see("serial.json", examples, "the longest waits") + ".")
     else:
         cmd = ctx.slower_load()
-        step = ("Give the load path more parallelism (the remote store's connections or "
-                "worker threads, the transfer engine's queue depth); to confirm it is "
+        step = ("Give the load path more parallelism (the remote store's connections, the "
+                "prefetch / transfer worker threads, the queue depth); to confirm it is "
                 "serialised, halve the offered load"
-                + (f" (`{cmd}`) and check that one load gets faster" if cmd else
-                   f" ({ctx.load_knob()}) and check that one load gets faster") + ".")
+                + (f" (`{cmd}`)" if cmd else f" ({ctx.load_knob()})")
+                + " and check that the waits shrink"
+                + ctx.see("serial.json", examples, "the longest waits") + ".")
     return Finding(
-        rule=rule, severity="critical" if rel >= 0.8 else "warning",
-        title=f"{name} loads serialise: each one in flight adds {dur(info['slope_ns'])} "
-              f"({100 * rel:.0f} % of one load) to the others",
+        rule=rule, severity="critical" if parallelism <= 1.5 else "warning",
+        title=f"Remote loads serialise: the load path serves about {parallelism:.1f} at a "
+              f"time (each waiting request adds {dur(slope)})",
         evidence=evidence, next_step=step,
-        metrics={**info, "transfer": name, "slope_share": rel},
+        metrics={"slope_ns": slope, "one_load_ns": one, "parallelism": parallelism,
+                 "rank_corr": rho, "waits": len(waits),
+                 "waiting_max": int(waiting.max())},
         requests=examples,
     )
 

@@ -64,6 +64,10 @@ RULES: dict[str, Rule] = {
     "other_share_high": other_share_high,
 }
 
+#: Rules that read only the hardware's records (samples, events): they run on a store without
+#: requests too (a node agent's).
+HARDWARE_ONLY: frozenset[str] = frozenset({"gpu_xid_errors", "nic_errors"})
+
 #: The diagnosis that fires on the same condition as each alert of dashboard/rules/ (the
 #: runbook entry of the alert names it; tests/dashboard/test_alerts_vs_findings.py checks a
 #: real Prometheus against `kvscope analyze` of the same run).
@@ -152,14 +156,21 @@ def diagnose_report(
                          f"{', '.join(RULES)}")
     cfg = config or DiagnoseConfig()
     if not len(requests):
-        # Aggregate-only sources (Prometheus) and traces without kvscope ranges have none.
+        # Aggregate-only sources (Prometheus), traces without kvscope ranges and a node
+        # agent's store have none: only the rules on the hardware's own records can look.
         why = "no per-request data in this source"
-        return DiagnoseReport((), tuple(NotEvaluated(r, why) for r in names), (), cfg)
+        hw = tuple(r for r in names if r in HARDWARE_ONLY)
+        skipped_all = tuple(NotEvaluated(r, why) for r in names if r not in HARDWARE_ONLY)
+        if not hw or (samples is None and events is None):
+            return DiagnoseReport((), tuple(NotEvaluated(r, why) for r in names), (), cfg)
+        names, pre_skipped = hw, skipped_all
+    else:
+        pre_skipped = ()
     ctx = Context(requests, spans, layers=layers, samples=samples, events=events,
                   config=cfg, part=part, run_config=run_config, cost=cost,
                   origin_ns=origin_ns, run_path=run_path)
     found: list[Finding] = []
-    skipped: list[NotEvaluated] = []
+    skipped: list[NotEvaluated] = list(pre_skipped)
     passed: list[str] = []
     for name in names:
         out = RULES[name](ctx)

@@ -240,7 +240,8 @@ def recompute_storm(ctx: Context) -> Finding | NotEvaluated | None:
         why = ("The remote tier failed (failure events, no failed loads: lookups failed and "
                "promised nothing, so prefixes it holds were recomputed); look at the remote "
                "tier in that window")
-    without = ctx.rerun("--remote", drop=True)
+    without, what = ctx.without("remote-error-rate", "remote-corrupt-rate",
+                                "remote-down-after", "remote-read-latency", "remote-latency")
     return Finding(
         rule=rule, severity="critical" if breaker else "warning",
         title=("Recompute storm: " + (
@@ -253,7 +254,7 @@ def recompute_storm(ctx: Context) -> Finding | NotEvaluated | None:
         evidence=evidence,
         next_step=(why + ctx.see("storm.json", examples, "its requests",
                                  window=(start_s, end_s))
-                   + (f"; what recompute alone costs: `{without}`, then `kvscope compare`"
+                   + (f"; the same run without {what}: `{without}`, then `kvscope compare`"
                       if without else "") + "."),
         metrics={"window_ns": int(window), "windows": n_win, "storm_windows": int(storm.sum()),
                  "worst_window_start_ns": int(t0 + worst * window),

@@ -172,7 +172,14 @@ class TierFlow:
                 break
             plan.views.append(h)
             plan.payloads.append(view)
+        self._unpin(plan)
         return len(plan.views)
+
+    def _unpin(self, plan: TierPlan) -> None:
+        """The request holds its own references now (or gives up): its reads' pins go."""
+        if self.prefetcher is not None and (plan.held or plan.reads):
+            self.prefetcher.unpin(plan.held + plan.reads)
+        plan.held = []
 
     def cancel(self, req: Request) -> None:
         """(Scheduler) the request was not admitted after `prepare`: release its blocks."""
@@ -420,7 +427,8 @@ class TierFlow:
         if plan.reads:  # never admitted: its own reads are nobody's
             self._abandoned(req, [r.transfer_id for r in plan.reads
                                   if r.request_num == req.request_num])
-            plan.reads = []
+        self._unpin(plan)
+        plan.reads = []
         self.cancel(req)
 
     def flush(self) -> None:

@@ -75,6 +75,11 @@ class HostKVPool:
     def __contains__(self, digest: bytes) -> bool:
         return digest in self._index
 
+    def referenced(self) -> int:
+        """Blocks held now (acquired, pinned for a request, or being filled)."""
+        with self._lock:
+            return sum(1 for r in self._refs if r)
+
     def was_evicted(self, digest: bytes) -> bool:
         """Whether the pool evicted `digest` and does not hold it again (bounded memory)."""
         with self._lock:
@@ -223,15 +228,19 @@ class HostKVPool:
                 slot = self._index[digest]
         return self._rows[slot]
 
-    def commit(self, digest: bytes) -> None:
-        """Publish a reserved slot: it becomes indexed and most recent."""
+    def commit(self, digest: bytes, *, pin: bool = False) -> None:
+        """Publish a reserved slot: it becomes indexed and most recent; with `pin`, it is
+        also acquired (held against eviction until `release`), for whoever the fill is for."""
         with self._lock:
             slot = self._reserved.pop(digest)
             self._refs[slot] = 0
             if digest in self._index:
                 self._free.append(slot)
+                slot = self._index[digest]
             else:
                 self._index[digest] = slot
+            if pin:
+                self._refs[slot] += 1
         self.stats.add("bytes_written", self.layout.payload_bytes)
 
     def abort(self, digest: bytes) -> None:

@@ -28,6 +28,9 @@ class Read:
     hashes: list[BlockHash]
     request_num: int
     deadline_ns: int
+    #: Requests that need this read and have not yet taken its blocks (the issuer first);
+    #: the blocks it staged stay pinned in staging until the last of them has.
+    users: int = 1
 
 
 @dataclass(slots=True)
@@ -43,6 +46,8 @@ class TierPlan:
     promised_remote: int
     #: the reads this request waits for: its own and batch-mates' already in flight
     reads: list[Read] = field(default_factory=list)
+    #: settled reads whose staged blocks it has not taken yet (their pins, until `prepare`)
+    held: list[Read] = field(default_factory=list)
     statuses: list[str | None] | None = None  # per remote-promised block, once read
     remote_nbytes: int = 0  # object bytes its own reads brought
     staged_blocks: int = 0  # blocks its own reads wrote into staging

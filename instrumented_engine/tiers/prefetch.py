@@ -80,6 +80,7 @@ class Prefetcher:
                 if r is None:
                     own.append(h)
                 elif r not in plan.reads:
+                    r.users += 1
                     plan.reads.append(r)
             if not own:
                 return
@@ -149,8 +150,35 @@ class Prefetcher:
             status.update(zip(r.hashes, sts, strict=True))
         hashes = req.block_hashes[plan.remote_lo:plan.remote_hi]
         plan.statuses = [status.get(h, "error") for h in hashes]
+        plan.held = plan.reads
         plan.reads = []
         return abandoned
+
+    def unpin(self, reads: list[Read]) -> None:
+        """(Engine loop) a request has taken what it needs of `reads` (or no longer needs
+        them): once no request needs a read, the blocks it pinned in staging are released
+        (when it finishes, if it is still running)."""
+        done: list[Read] = []
+        with self._lock:
+            for r in reads:
+                r.users -= 1
+                if r.users == 0:
+                    done.append(r)
+        for r in done:
+            r.future.add_done_callback(self._release_pins)
+
+    def _release_pins(self, fut: Future[ReadResult]) -> None:
+        if fut.cancelled():
+            return
+        try:
+            res = fut.result()
+        except Exception:  # a failed prefetch pinned nothing it could release
+            return
+        for h in res.pinned:
+            try:
+                self.staging.release(h)
+            except (KeyError, AssertionError):  # a bug, never a crash of the engine
+                log.exception("unpinning a staged block failed")
 
     def close(self) -> None:
         """Refuse new reads and wait for the running ones. Idempotent."""
@@ -164,9 +192,12 @@ def prefetch_into_host(remote: ResilientRemote, host: HostKVPool, block_hashes: 
                        request_num: int = -1) -> ReadResult:
     """Load `block_hashes` from the remote tier into the host pool.
 
-    Blocks already in the host pool are not read again and count as loaded. When the pool has
-    no unreferenced slot left for a block, that block and the rest of the chain are not read
-    (status `error`: the load could not be attempted).
+    Blocks already in the host pool are not read again and count as loaded. Every loaded
+    block is pinned there (`ReadResult.pinned`) until the requests that need it have taken it.
+    When the pool has no unreferenced slot left for a block (every slot pinned or in use),
+    that block and the rest of the chain are not read: status `evicted`, a capacity failure
+    like a promised block evicted before admission (the remedy is the same: a larger pool),
+    not a remote one. A digest another prefetch holds reserved is `error` (not attempted).
 
     Returns:
         The read's result, one status per block in `block_hashes` (None: now in the host pool).
@@ -175,8 +206,12 @@ def prefetch_into_host(remote: ResilientRemote, host: HostKVPool, block_hashes: 
     """
     statuses: list[str | None] = [None] * len(block_hashes)
     todo: list[int] = []
+    pinned: list[bytes] = []
     for i, h in enumerate(block_hashes):
-        if h not in host:
+        # A block already there is loaded too: pinned now, so it is still there at admission.
+        if host.acquire(h) is not None:
+            pinned.append(h)
+        else:
             todo.append(i)
     want = [block_hashes[i] for i in todo]
     reserved: list[bytes] = []
@@ -186,12 +221,16 @@ def prefetch_into_host(remote: ResilientRemote, host: HostKVPool, block_hashes: 
             host.reserve(h)
             reserved.append(h)
             dests.append(host.slot_bytes(h))
-    except (HostPoolFull, KeyError):
-        # KeyError: another prefetch holds the same digest reserved; treat as not attempted.
+    except HostPoolFull:
+        for i in todo[len(reserved):]:
+            statuses[i] = "evicted"
+    except KeyError:
+        # Another prefetch holds the same digest reserved: not attempted.
         for i in todo[len(reserved):]:
             statuses[i] = "error"
     if not reserved:
-        return ReadResult(statuses, transfer_id=-1 if transfer_id is None else transfer_id)
+        return ReadResult(statuses, transfer_id=-1 if transfer_id is None else transfer_id,
+                          pinned=pinned)
     res = remote.read_into(reserved, namespace, dests, transfer_id=transfer_id,
                            request_num=request_num)
     for j, st in enumerate(res.statuses):
@@ -199,7 +238,8 @@ def prefetch_into_host(remote: ResilientRemote, host: HostKVPool, block_hashes: 
     loaded = [h for h, st in zip(reserved, res.statuses, strict=True) if st is None]
     failed = [h for h, st in zip(reserved, res.statuses, strict=True) if st is not None]
     for h in loaded:
-        host.commit(h)
+        host.commit(h, pin=True)
+        pinned.append(h)
 
     def free_failed() -> None:
         for h in failed:
@@ -207,4 +247,4 @@ def prefetch_into_host(remote: ResilientRemote, host: HostKVPool, block_hashes: 
 
     res.when_buffers_free(free_failed)
     return ReadResult(statuses, res.nbytes, res.transfer_id, res.start_ns, res.end_ns,
-                      res.pending, staged=len(loaded))
+                      res.pending, staged=len(loaded), pinned=pinned)

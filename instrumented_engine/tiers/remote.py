@@ -86,6 +86,8 @@ class ReadResult:
         start_ns, end_ns: the operation's interval on the monotonic clock.
         staged: blocks this read wrote into their destinations (for a prefetch, blocks that
             were already in the host pool are loaded but not staged).
+        pinned: (prefetches) the loaded blocks held in the host pool against eviction until
+            the requests that need them have taken them (`Prefetcher.unpin`).
     """
 
     statuses: list[str | None]
@@ -95,6 +97,7 @@ class ReadResult:
     end_ns: int = 0
     pending: Future[Any] | None = field(default=None, repr=False)
     staged: int = 0
+    pinned: list[bytes] = field(default_factory=list, repr=False)
 
     @property
     def loaded(self) -> int:

@@ -176,7 +176,9 @@ def test_a_read_shared_by_several_requests_is_booked_to_its_issuer(tmp_path: Pat
     own. The bytes summed over requests equal the bytes the reads moved."""
     tiers = {"host_blocks": 64, "remote": f"file://{tmp_path / 'remote'}"}
     _run(tmp_path / "cold", num_requests=10, rate=0, **tiers)
-    run, c = _check(_run(tmp_path / "warm", num_requests=10, rate=0, **tiers))
+    # Slow reads keep each one in flight while the others arrive and join it.
+    run, c = _check(_run(tmp_path / "warm", num_requests=10, rate=0, remote_timeout_ms=5000,
+                         faults=("remote-read-latency=50ms",), **tiers))
     assert c.ok
     req = run.requests.set_index("request_id")
     sp = run.spans
@@ -186,7 +188,8 @@ def test_a_read_shared_by_several_requests_is_booked_to_its_issuer(tmp_path: Pat
         w = r.waits_on
         waits.setdefault(r.request_id, set()).update(int(x) for x in ([] if w is None else w))
     issuer = dict(zip(reads["transfer_id"].astype(int), reads["request_id"], strict=True))
-    shared = [(rid, t) for rid, ts in waits.items() for t in ts if issuer.get(t) != rid]
+    shared = [(rid, t) for rid, ts in waits.items() for t in ts
+              if t in issuer and issuer[t] != rid]
     assert shared, "no request waited on another's read: the workload shares no document"
     for _, tid in shared:
         assert req.loc[issuer[tid], "remote_read_bytes"] > 0

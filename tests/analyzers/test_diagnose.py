@@ -93,7 +93,8 @@ def test_remote_load_slower_than_recompute_fires_with_break_even() -> None:
                              "10,000 tokens/s), fitted on 120 steps of 16 to 1,000 tokens; "
                              "recomputing a token costs 100.0 us")
     assert f.evidence[2] == ("the 4 losing requests: 320.0 ms loading vs 200.0 ms to recompute "
-                             "their 2,000 loaded tokens (120.0 ms of TTFT lost to loading)")
+                             "their 2,000 loaded tokens (120.0 ms / 1,930.0 ms of the loading "
+                             "requests' TTFT (6.2 %) lost to loading)")
     assert "at >= 4,000 loaded tokens loading won in 6 / 6 requests (100.0 %)" in f.evidence
     assert f.metrics["requests_lost"] == 4 and f.metrics["requests_loading"] == 10
     assert f.metrics["per_token_ns"] == 100_000.0
@@ -158,21 +159,28 @@ def test_hit_rate_quiet_when_hits_are_long() -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _tail(queue_ms: int, prefill_ms: int, n: int = 20) -> tuple[Any, Any]:
-    stages = [{"queue": 10 * MS, "prefill": 90 * MS}] * (n - 1)
-    stages.append({"queue": queue_ms * MS, "prefill": prefill_ms * MS})
+def _tail(queue_ms: int, prefill_ms: int, n: int = 20, slow: int = 5) -> tuple[Any, Any]:
+    stages = [{"queue": 10 * MS, "prefill": 90 * MS}] * (n - slow)
+    stages += [{"queue": queue_ms * MS, "prefill": prefill_ms * MS}] * slow
     return build(stages)
 
 
 def test_queue_dominated_p99_fires() -> None:
     f = one("queue_dominated_p99", *_tail(900, 100))
     assert isinstance(f, Finding) and f.severity == "critical"
-    # p99 of nineteen 100 ms TTFTs and one 1,000 ms (linear): 100 + 0.81 * 900 = 829 ms.
-    assert f.evidence[0] == ("queue: 900.0 ms / 1,000.0 ms of TTFT (90.0 %) summed over the "
-                             "1 / 20 requests (5.0 %) at or above p99 TTFT (829.0 ms)")
-    assert f.evidence[1] == "whole run: queue 1,090.0 ms / 2,900.0 ms of TTFT (37.6 %)"
-    assert f.requests == ("r019",)
-    assert f.metrics["p99_ttft_ns"] == 829 * MS
+    # Fifteen 100 ms TTFTs and five 1,000 ms: p99 is 1,000 ms, and the tail is the 5 slowest.
+    assert f.evidence[0] == ("queue: 4,500.0 ms / 5,000.0 ms of TTFT (90.0 %) summed over the "
+                             "5 / 20 requests (25.0 %) at or above 1,000.0 ms of TTFT (p99, "
+                             "or the 5 slowest)")
+    assert f.evidence[1] == "whole run: queue 4,650.0 ms / 6,500.0 ms of TTFT (71.5 %)"
+    assert f.requests == ("r015", "r016", "r017", "r018", "r019")
+    assert f.metrics["p99_ttft_ns"] == 1000 * MS
+
+
+def test_queue_dominated_p99_is_not_judged_on_one_request() -> None:
+    """One slow request among many normal ones: the tail of the 5 slowest is mostly
+    prefill, so a single queued outlier is no finding."""
+    assert one("queue_dominated_p99", *_tail(900, 100, n=40, slow=1)) is None
 
 
 def test_queue_dominated_p99_quiet_when_the_tail_computes() -> None:

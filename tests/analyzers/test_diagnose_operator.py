@@ -87,10 +87,18 @@ def test_sustained_remote_failure_by_tokens_and_operations() -> None:
     assert f.evidence[1] == "4 / 40 remote lookups and reads (10.0 %) failed (read error 4)"
     assert f.evidence[2].startswith("20 / 20 requests with promised remote hits (100.0 %)")
     assert f.metrics["token_share"] == 0.2 and f.metrics["operation_share"] == 0.1
-    assert "--remote" in f.next_step and "kvscope timeline" in f.next_step
+    assert "kvscope timeline" in f.next_step
+    # The run injected the errors: the single factor is that fault, dropped.
     cmd = run_commands(f)[0]
-    assert one_flag_changed(cmd) == {("--remote", "file:///r")}  # dropped: one flag
+    assert one_flag_changed(cmd) == {("--fault", "remote-error-rate=0.5")}
     assert_single_factor(f)
+    # A run without injected faults: the remote tier itself is the factor.
+    real = {"command": [c for c in COMMAND if c not in ("--fault", "remote-error-rate=0.5")],
+            "options": {**OPTIONS, "faults": []}}
+    f = one("remote_failures_sustained", req, spans, samples=_ops(16, 4), run_config=real)
+    assert isinstance(f, Finding)
+    assert one_flag_changed(run_commands(f)[0]) ^ {("--fault", "remote-error-rate=0.5")} == \
+        {("--remote", "file:///r")}
 
 
 def test_timeouts_lead_to_a_longer_deadline_and_a_healthy_tier_is_quiet() -> None:
@@ -132,39 +140,36 @@ def test_breaker_open_time_and_the_requests_it_turned_away() -> None:
 
 # ---- load_serialisation -------------------------------------------------------------------
 
-def _reads(serial: bool) -> list[dict[str, Any]]:
-    """Bursts of k = 1..6 reads started together; serialised, each takes k x 20 ms."""
-    out, t, i = [], T0, 0
-    for k in (1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6):
-        for _ in range(k):
-            d = (k if serial else 1) * 20 * MS
-            out.append({"request_id": f"r{i % 10:03d}", "kind": "activity",
-                        "name": "remote_read", "start_ns": t, "end_ns": t + d,
-                        "tier": "remote", "transfer_id": i})
-            i += 1
-        t += 200 * MS
-    return out
+def _serial_run(serial: bool) -> tuple[Any, Any]:
+    """12 requests arrive 1 ms apart and wait in remote_read; serialised, the k-th waits
+    k x 20 ms (one 20 ms read at a time); parallel, every wait is one read."""
+    stages = [{"remote_read": ((k + 1) if serial else 1) * 20 * MS, "prefill": MS}
+              for k in range(12)]
+    reads = [{"request_id": f"r{k:03d}", "kind": "activity", "name": "remote_read",
+              "start_ns": T0 + k * 20 * MS, "end_ns": T0 + (k + 1) * 20 * MS,
+              "tier": "remote", "transfer_id": k} for k in range(12)]
+    return build(stages, gap_ns=MS, extra_spans=reads)
 
 
-def test_serialised_loads_show_a_slope_per_load_in_flight() -> None:
-    req, spans = build([{"prefill": MS}] * 10, extra_spans=_reads(True))
-    f = one("load_serialisation", req, spans)
-    assert isinstance(f, Finding)
-    # Each read in flight adds one 20 ms read: the Theil-Sen slope is exactly 20 ms.
+def test_serialised_loads_show_one_load_per_waiting_request() -> None:
+    f = one("load_serialisation", *_serial_run(True))
+    assert isinstance(f, Finding) and f.severity == "critical"
+    # Each waiting request adds one 20 ms read: slope 20 ms, parallelism 20 / 20 = 1.
     assert f.metrics["slope_ns"] == pytest.approx(20 * MS)
-    assert f.metrics["single_ns"] == 20 * MS and f.metrics["slope_share"] == pytest.approx(1.0)
-    assert f.severity == "critical"
-    assert f.evidence[0].startswith("remote_read duration grows 20.0 ms per remote_read in "
-                                    "flight (Theil-Sen over 42 loads with 1 to 6 in flight")
+    assert f.metrics["one_load_ns"] == pytest.approx(20 * MS)
+    assert f.metrics["parallelism"] == pytest.approx(1.0)
+    assert f.evidence[0].startswith("the wait in remote_read grows 20.0 ms per request "
+                                    "waiting with it (Theil-Sen over 12 waits with 1 to 12 "
+                                    "waiting; rank correlation 1.00)")
     assert_single_factor(f)  # --rate halved
-    req, spans = build([{"prefill": MS}] * 10, extra_spans=_reads(False))
-    assert one("load_serialisation", req, spans) is None
+    assert one("load_serialisation", *_serial_run(False)) is None
     cfg = {"command": [*COMMAND, "--fault", "remote-concurrency=1"],
            "options": {**OPTIONS, "faults": ["remote-error-rate=0.5", "remote-concurrency=1"]}}
-    req, spans = build([{"prefill": MS}] * 10, extra_spans=_reads(True))
-    f = one("load_serialisation", req, spans, run_config=cfg)
+    f = one("load_serialisation", *_serial_run(True), run_config=cfg)
     assert isinstance(f, Finding) and "--fault remote-concurrency=1" in f.next_step
     assert "remote-concurrency" not in run_commands(f)[0]
+    few = build([{"remote_read": MS, "prefill": MS}] * 3)
+    assert isinstance(one("load_serialisation", *few), NotEvaluated)
 
 
 # ---- preemption_thrash --------------------------------------------------------------------

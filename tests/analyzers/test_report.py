@@ -55,8 +55,8 @@ def test_json_report_layout(report: Report) -> None:
     assert set(doc["prefill"]) == {"cost", "saved"}
     assert doc["prefill"]["saved"]["reused_tokens"] == 4352
     assert [f["rule"] for f in doc["findings"]] == [
-        "remote_failures_sustained", "recompute_storm", "preemption_thrash",
-        "remote_breaker_open", "promised_hits_evicted", "token_hit_share_drop"]
+        "remote_failures_sustained", "recompute_storm", "remote_breaker_open",
+        "promised_hits_evicted", "token_hit_share_drop"]
     assert doc["partition_violations"] == []
 
 

@@ -214,6 +214,7 @@ def test_property_activity_sweep_matches_brute_force(data: tuple) -> None:
         assert bool(row["derived"])
 
 
+@example(data=([("r0", 0, 0)], [("r0", "state", "lookup", -1, -1)]))  # zero-length, outside
 @settings(max_examples=80, deadline=None)
 @given(overlapping_requests("state"))
 def test_property_broken_state_spans_still_partition_and_are_flagged(data: tuple) -> None:

@@ -208,6 +208,8 @@ def test_second_run_against_a_warm_remote_loads_from_it(
              and s["name"] == "remote_read"}
     waits = [s["waits_on"] for s in spans if s["kind"] == "state" and s["name"] == "remote_read"]
     assert all(w and set(w) <= reads for w in waits)
+    # Every block a prefetch pinned for its requests was let go once they took it.
+    assert eng.flow.staging is not None and eng.flow.staging.referenced() == 0
 
 
 def test_redis_killed_mid_run_recomputes_and_opens_the_breaker(

@@ -224,3 +224,28 @@ def test_each_operation_counts_once_by_outcome(layout: BlockLayout, tmp_path: Pa
                                               ("read", "error"): 1, ("write", "error"): 1}
     assert failing.stats.failures == {"error": 12, "circuit_open": 1}
     failing.close()
+
+
+def test_staged_blocks_stay_pinned_until_their_requests_take_them(layout: BlockLayout,
+                                                                   tmp_path: Path) -> None:
+    """What a prefetch staged is held against eviction (other prefetches, write-behind) until
+    the requests that wait for it have taken it; a prefetch that finds no room fails as
+    `evicted` (capacity), not as a remote error."""
+    store, hs = _filled(tmp_path, layout, 5)
+    host = HostKVPool(layout, 4, pin=False)
+    remote = ResilientRemote(store, layout)
+    first = prefetch_into_host(remote, host, hs[:2], NS)
+    assert first.statuses == [None, None] and first.pinned == hs[:2]
+    second = prefetch_into_host(remote, host, hs[2:4], NS)
+    assert second.pinned == hs[2:4]
+    # Every slot is pinned: a third prefetch cannot stage, and evicts nothing.
+    third = prefetch_into_host(remote, host, hs[4:], NS)
+    assert third.statuses == ["evicted"] and third.pinned == []
+    with pytest.raises(Exception, match="referenced"):
+        host.put(chain(1, seed=7)[0], payload(layout, 7))
+    assert host.lookup(hs, 0) == 4
+    for h in first.pinned:  # the first request took its blocks
+        host.release(h)
+    assert host.put(chain(1, seed=7)[0], payload(layout, 7)) == [hs[0]]
+    assert hs[2] in host and hs[3] in host  # still pinned for theirs
+    remote.close()
