@@ -30,7 +30,8 @@ from analyzers.ttft import partition
 from analyzers.ttft_summary import records
 from analyzers.units import fmt_ns
 
-__all__ = ["Comparison", "compare", "compare_frames", "compare_outputs"]
+__all__ = ["Comparison", "compare", "compare_frames", "compare_outputs", "factor_diff",
+           "request_movers", "source_split"]
 
 _ROWS = (*TTFT_STAGES, "ttft")
 
@@ -51,10 +52,19 @@ class Comparison:
             percentage points; rates: in their own unit).
         moved_most: the stage the verdict names (None when nothing moved).
         basis: ``tail_mean`` or ``mean``: the decomposition the verdict used.
-        verdict: one sentence, e.g. ``token hit share +20.0 pts while TTFT p99 +35 %:
-            remote_read +180 ms explains 90 % of it``.
+        verdict: the headline change and, on its own basis, how the stages add up to it,
+            e.g. ``TTFT p99 +35 % (...); over the slowest 10 % of requests the mean TTFT
+            moved +190 ms: remote_read +180 ms, ...``.
         tail: the quantile above which requests form the tail.
         level: confidence level of the intervals.
+        movers: the requests (by id, in both runs) whose TTFT moved most either way:
+            ``request_id, a_ttft_ns, b_ttft_ns, delta_ns, stage, stage_delta_ns``.
+        sources: where prompt tokens' KV came from, per request on average, in A and B, and
+            what the change in recomputed tokens should have saved at A's fitted per-token
+            cost against what the prefill and load stages did (`source_split`).
+        factors: the `kvscope run` flags in which A and B differ (from run.json), and
+            start_state: the remote objects and host blocks each started with (a cold and a
+            warm run share a config).
     """
 
     a_label: str
@@ -69,6 +79,10 @@ class Comparison:
     tail: float
     level: float
     outputs: dict[str, Any] | None = None
+    movers: pd.DataFrame | None = None
+    sources: dict[str, Any] | None = None
+    factors: list[dict[str, Any]] | None = None
+    start_state: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: ``{a, b, requests_a, requests_b, tail, level, moved_most, verdict,
@@ -86,6 +100,10 @@ class Comparison:
             "stages": records(self.stages),
             "accounting": records(self.accounting),
             "outputs": self.outputs,
+            "movers": None if self.movers is None else records(self.movers),
+            "sources": self.sources,
+            "factors": self.factors,
+            "start_state": self.start_state,
         }
 
 
@@ -237,10 +255,10 @@ def _verdict(stages: pd.DataFrame, acct: pd.DataFrame, tail: float, level: float
     ci = f"{100 * level:.0f} % CI"
     if _significant(t, "p99"):
         basis, head = "tail_mean", p99
-        scope = f"mean over the slowest {100 * (1 - tail):.0f} % of requests"
+        scope = f"on average over the slowest {100 * (1 - tail):.0f} % of requests"
     elif _significant(t, "p50"):
         basis, head = "mean", f"{p50}, p99 within noise"
-        scope = "mean over all requests"
+        scope = "on average over all requests"
     else:
         basis = "mean"
         moved = _pick_stage(st, "mean", 0.0)
@@ -255,13 +273,9 @@ def _verdict(stages: pd.DataFrame, acct: pd.DataFrame, tail: float, level: float
     if moved is None:
         return basis, None, f"{lead}{head}: no single stage moved with it"
     d = float(by.loc[moved, f"delta_{basis}_ns"])
-    share = d / d_ttft if d_ttft else float("nan")
-    text = f"{lead}{head}: {moved} {fmt_ns(d, signed=True)} "
-    if 0 < share <= 1.5:
-        text += f"explains {100 * share:.0f} % of it ({scope})"
-    else:
-        text += (f"outweighs the TTFT change of {fmt_ns(d_ttft, signed=True)} (the other "
-                 f"stages {fmt_ns(d_ttft - d, signed=True)}; {scope})")
+    rest = d_ttft - d
+    text = (f"{lead}{head}; {scope}, TTFT moved {fmt_ns(d_ttft, signed=True)}: {moved} "
+            f"{fmt_ns(d, signed=True)}, the other stages {fmt_ns(rest, signed=True)}")
     return basis, moved, text
 
 
@@ -295,14 +309,134 @@ def compare_outputs(req_a: pd.DataFrame, req_b: pd.DataFrame, *, listed: int = 1
     }
 
 
-def _load(run: Any) -> tuple[pd.DataFrame, pd.DataFrame, str]:
+def request_movers(part_a: pd.DataFrame, part_b: pd.DataFrame, n: int = 5) -> pd.DataFrame:
+    """The requests in both runs (by id) whose TTFT moved most, `n` each way, and the stage of
+    each that moved most: ``request_id, a_ttft_ns, b_ttft_ns, delta_ns, stage,
+    stage_delta_ns``, largest increase first."""
+    cols = ["request_id", "ttft_ns", *F.STAGE_COLUMNS]
+    a = part_a.loc[F.valid(part_a["ttft_ns"]), cols]
+    b = part_b.loc[F.valid(part_b["ttft_ns"]), cols]
+    m = a.merge(b, on="request_id", suffixes=("_a", "_b"))
+    out_cols = ["request_id", "a_ttft_ns", "b_ttft_ns", "delta_ns", "stage", "stage_delta_ns"]
+    if not len(m):
+        return pd.DataFrame(columns=out_cols)
+    delta = F.ints(m["ttft_ns_b"], 0) - F.ints(m["ttft_ns_a"], 0)
+    sd = np.column_stack([F.ints(m[f"{c}_b"], 0) - F.ints(m[f"{c}_a"], 0)
+                          for c in F.STAGE_COLUMNS])
+    # The stage that moved most in the request's own direction.
+    pick = np.argmax(sd * np.sign(delta)[:, None], axis=1)
+    order = np.argsort(-delta, kind="stable")
+    idx = list(dict.fromkeys([*order[:n][delta[order[:n]] > 0],
+                              *order[::-1][:n][delta[order[::-1][:n]] < 0]]))
+    return pd.DataFrame({
+        "request_id": m["request_id"].to_numpy(object)[idx],
+        "a_ttft_ns": F.ints(m["ttft_ns_a"], 0)[idx], "b_ttft_ns": F.ints(m["ttft_ns_b"], 0)[idx],
+        "delta_ns": delta[idx],
+        "stage": [TTFT_STAGES[k] for k in pick[idx]],
+        "stage_delta_ns": sd[idx, pick[idx]],
+    }, columns=out_cols)
+
+
+_SOURCES = ("device_hit", "host_loaded", "remote_loaded", "recomputed")
+_LOAD = ("remote_read", "h2d", "sync")
+
+
+def source_split(req_a: pd.DataFrame, req_b: pd.DataFrame, part_a: pd.DataFrame,
+                 part_b: pd.DataFrame, per_token_ns: float | None) -> dict[str, Any] | None:
+    """Tokens by KV source per request (mean over requests with a first token) in A and B,
+    and the time view of their change: fewer recomputed tokens should save
+    ``-delta recomputed x per_token_ns`` of prefill; the prefill and load stages (remote_read,
+    h2d, sync) say what happened instead ("hits went up but TTFT got worse": the stage that
+    ate the saving). None without accounting."""
+    if not all(f"{s}_tokens" in req_a and f"{s}_tokens" in req_b for s in _SOURCES):
+        return None
+    sa, sb = F.valid(req_a["first_token_ns"]), F.valid(req_b["first_token_ns"])
+    if not sa.any() or not sb.any():
+        return None
+    tokens = {}
+    for s in _SOURCES:
+        a = float(F.ints(req_a[f"{s}_tokens"], 0)[sa].mean())
+        b = float(F.ints(req_b[f"{s}_tokens"], 0)[sb].mean())
+        tokens[s] = {"a": a, "b": b, "delta": b - a}
+    stage = {}
+    for st in ("lookup", "queue", *_LOAD, "prefill", "other", "ttft"):
+        a = float(F.ints(part_a[f"{st}_ns"], 0)[F.valid(part_a["ttft_ns"])].mean())
+        b = float(F.ints(part_b[f"{st}_ns"], 0)[F.valid(part_b["ttft_ns"])].mean())
+        stage[st] = {"a_ns": a, "b_ns": b, "delta_ns": b - a}
+    expected = (tokens["recomputed"]["delta"] * per_token_ns
+                if per_token_ns is not None and np.isfinite(per_token_ns) else None)
+    load = sum(stage[s]["delta_ns"] for s in _LOAD)
+    ate = None
+    if expected is not None and expected < 0 and stage["ttft"]["delta_ns"] > expected:
+        # TTFT kept less than the recompute change should give: the stage that rose most
+        # (a load stage, queue, lookup) ate the difference.
+        cands = {"lookup": stage["lookup"]["delta_ns"], "queue": stage["queue"]["delta_ns"],
+                 "loads": load, "other": stage["other"]["delta_ns"]}
+        ups = {k: v for k, v in cands.items() if v > 0}
+        ate = max(ups, key=lambda k: ups[k]) if ups else None
+    reused_delta = sum(tokens[s]["delta"] for s in _SOURCES[:3])
+    return {"tokens_per_request": tokens, "stage_mean_ns": stage,
+            "reused_delta_tokens": reused_delta, "per_token_ns": per_token_ns,
+            "expected_prefill_delta_ns": expected, "load_delta_ns": load, "ate": ate}
+
+
+#: Flags that do not change what the engine does (where /metrics is served, what is kept).
+_NOT_A_FACTOR = ("--metrics-port", "--listen-address", "--metrics-linger",
+                 "--record-output-ids", "-q", "--quiet")
+
+
+def factor_diff(meta_a: dict[str, Any], meta_b: dict[str, Any]) -> tuple[list[dict[str, Any]],
+                                                                        dict[str, Any]]:
+    """The `kvscope run` flags in which A and B differ (from run.json ``config.command``;
+    flags that only change what is served or kept are left out), and their starting states
+    (remote objects and host blocks at start)."""
+    def pairs(meta: dict[str, Any]) -> dict[str, list[str | None]] | None:
+        cmd = (meta.get("config") or {}).get("command")
+        if not isinstance(cmd, list):
+            return None
+        from analyzers.diagnose.model import command_pairs
+
+        out: dict[str, list[str | None]] = {}
+        for flag, val in command_pairs(cmd):
+            if flag.startswith("--no-"):
+                flag, val = "--" + flag[5:], "off"
+            out.setdefault(flag, []).append(val)
+        return out
+
+    pa_, pb_ = pairs(meta_a), pairs(meta_b)
+    factors: list[dict[str, Any]] = []
+    if pa_ is not None and pb_ is not None:
+        for flag in sorted(set(pa_) | set(pb_)):
+            if flag in _NOT_A_FACTOR:
+                continue
+            va, vb = pa_.get(flag), pb_.get(flag)
+            if sorted(map(str, va or [])) != sorted(map(str, vb or [])):
+                factors.append({"flag": flag,
+                                "a": None if va is None else ", ".join(map(str, va)),
+                                "b": None if vb is None else ", ".join(map(str, vb))})
+
+    def start(meta: dict[str, Any]) -> dict[str, Any]:
+        tiers = (meta.get("config") or {}).get("tiers")
+        tiers = tiers if isinstance(tiers, dict) else {}
+
+        def at_start(tier: str, key: str) -> Any:
+            t = tiers.get(tier)
+            return t.get(key) if isinstance(t, dict) else None
+
+        return {"remote_objects": at_start("remote", "objects_at_start"),
+                "host_blocks": at_start("host", "blocks_at_start")}
+
+    return factors, {"a": start(meta_a), "b": start(meta_b)}
+
+
+def _load(run: Any) -> tuple[pd.DataFrame, pd.DataFrame, str, dict[str, Any]]:
     from agent.runstore.reader import RunStore, open_run
 
     if isinstance(run, RunStore):
-        return run.requests, run.spans, str(run.path)
+        return run.requests, run.spans, str(run.path), dict(run.meta)
     if isinstance(run, (str, os.PathLike)):
         store = open_run(run, tables=("requests", "spans"))
-        return store.requests, store.spans, str(run)
+        return store.requests, store.spans, str(run), dict(store.meta)
     raise TypeError(f"expected a RunStore or a run directory path, got {type(run).__name__}")
 
 
@@ -320,9 +454,20 @@ def compare(run_a: Any, run_b: Any, *, n_boot: int = 2000, level: float = 0.95,
     Raises:
         InputError: a run directory is missing or malformed (names the file).
     """
-    req_a, spans_a, la = _load(run_a)
-    req_b, spans_b, lb = _load(run_b)
-    comp = compare_frames(partition(req_a, spans_a), token_accounting(req_a),
-                          partition(req_b, spans_b), token_accounting(req_b), a_label=la,
-                          b_label=lb, n_boot=n_boot, level=level, tail=tail, seed=seed)
-    return dataclasses.replace(comp, outputs=compare_outputs(req_a, req_b))
+    from analyzers.costmodel import fit_step_cost
+
+    req_a, spans_a, la, meta_a = _load(run_a)
+    req_b, spans_b, lb, meta_b = _load(run_b)
+    part_a, part_b = partition(req_a, spans_a), partition(req_b, spans_b)
+    comp = compare_frames(part_a, token_accounting(req_a), part_b, token_accounting(req_b),
+                          a_label=la, b_label=lb, n_boot=n_boot, level=level, tail=tail,
+                          seed=seed)
+    cost = fit_step_cost(spans_a)
+    if not cost.fitted:
+        cost = fit_step_cost(spans_b)
+    factors, start = factor_diff(meta_a, meta_b)
+    return dataclasses.replace(
+        comp, outputs=compare_outputs(req_a, req_b), movers=request_movers(part_a, part_b),
+        sources=source_split(req_a, req_b, part_a, part_b,
+                             cost.per_token_ns if cost.fitted else None),
+        factors=factors, start_state=start)

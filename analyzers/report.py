@@ -377,6 +377,7 @@ def render_comparison(comp: Any, fmt: str) -> str:
     out.append(f"B: {comp.b_label} ({comp.requests_b:,} requests with a first token)")
     out.append("")
     out.append(f"{'**verdict**' if markdown else 'verdict'}: {comp.verdict}")
+    out.extend(_factor_lines(comp))
 
     def ci(row: Any, tag: str) -> str:
         return (f"{fmt_ns(getattr(row, f'delta_{tag}_ns'), signed=True)} "
@@ -384,19 +385,35 @@ def render_comparison(comp: Any, fmt: str) -> str:
                 f"{fmt_ns(getattr(row, f'delta_{tag}_high_ns'), signed=True)}]")
 
     level = f"{100 * comp.level:.0f} %"
-    head(f"TTFT by stage: B - A with {level} bootstrap intervals")
+    head(f"TTFT percentiles by stage: B - A with {level} bootstrap intervals")
     rows = []
     for x in comp.stages.itertuples(index=False):
         label = "TTFT" if x.stage == "ttft" else x.stage
         rows.append([label, fmt_ns(x.a_p50_ns), fmt_ns(x.b_p50_ns), ci(x, "p50"),
-                     fmt_ns(x.a_p99_ns), fmt_ns(x.b_p99_ns), ci(x, "p99"), ci(x, "mean"),
-                     ci(x, "tail_mean"), "" if x.stage == "ttft" else fmt_pct(x.explains)])
+                     fmt_ns(x.a_p99_ns), fmt_ns(x.b_p99_ns), ci(x, "p99")])
     table(Table(["stage", "A p50", "B p50", "change p50 [CI]", "A p99", "B p99",
-                 "change p99 [CI]", "change of mean [CI]", "change of tail mean [CI]",
-                 "explains"], rows))
-    out.append(f"tail: requests at or above each run's TTFT p{100 * comp.tail:.0f}. Means add "
-               "up (stages sum to TTFT per request), so their changes split the TTFT change; "
-               f"'explains' uses the {comp.basis.replace('_', ' ')}.")
+                 "change p99 [CI]"], rows))
+    out.append("Stage percentiles do not add up to the TTFT percentile; the means below do.")
+    tail_pct = f"{100 * (1 - comp.tail):.0f} %"
+    head(f"TTFT means by stage (they add up to the TTFT change), {level} intervals")
+    rows = []
+    for x in comp.stages.itertuples(index=False):
+        label = "TTFT" if x.stage == "ttft" else x.stage
+        rows.append([label, fmt_ns(x.a_mean_ns), fmt_ns(x.b_mean_ns), ci(x, "mean"),
+                     ci(x, "tail_mean")])
+    table(Table(["stage", "A mean", "B mean", "change of mean [CI]",
+                 f"change of mean, slowest {tail_pct} [CI]"], rows))
+
+    if comp.sources is not None:
+        head("Token sources: where the change came from")
+        out.extend(_source_lines(comp.sources))
+    if comp.movers is not None and len(comp.movers):
+        head("Requests that moved most (in both runs, by id)")
+        table(Table(["request", "A TTFT", "B TTFT", "change", "stage that moved most"],
+                    [[str(x.request_id), fmt_ns(x.a_ttft_ns), fmt_ns(x.b_ttft_ns),
+                      fmt_ns(x.delta_ns, signed=True),
+                      f"{x.stage} {fmt_ns(x.stage_delta_ns, signed=True)}"]
+                     for x in comp.movers.itertuples(index=False)], align="lrrrl"))
 
     head("Accounting: B vs A")
     acct = comp.accounting
@@ -409,14 +426,73 @@ def render_comparison(comp: Any, fmt: str) -> str:
             change = f"{x.delta:+.1f} pts"
         else:
             change = f"{x.delta:+,.1f} {x.delta_unit}"
-        rows.append([x.label, _ratio_text(x, "a"), _ratio_text(x, "b"), change])
-    table(Table(["ratio", "A", "B", "change"], rows, align="lrrr"))
+        rows.append([f"{x.label} ({x.unit})", _ratio_text(x, "a"), _ratio_text(x, "b"), change])
+    table(Table(["ratio (denominator)", "A", "B", "change"], rows, align="lrrr"))
     if len(acct) > len(moved):
         out.append(f"{len(acct) - len(moved)} other ratios unchanged (all in --format json)")
     if comp.outputs is not None:
         head("Outputs: B vs A")
         out.extend(_outputs_lines(comp.outputs))
     return "\n".join(out) + "\n"
+
+
+def _factor_lines(comp: Any) -> list[str]:
+    """What differs between A and B besides the change: their flags and starting state."""
+    lines: list[str] = []
+    factors = comp.factors or []
+    start = comp.start_state or {}
+    sa, sb = start.get("a") or {}, start.get("b") or {}
+    diffs = [f"{f['flag']} {f['a'] or '(not set)'} -> {f['b'] or '(not set)'}"
+             for f in factors]
+    for key, what in (("remote_objects", "remote objects at start"),
+                      ("host_blocks", "host blocks at start")):
+        if sa.get(key) is not None and sb.get(key) is not None and sa[key] != sb[key]:
+            diffs.append(f"{what} {sa[key]:,} -> {sb[key]:,}")
+    if comp.factors is None:
+        return lines
+    if not diffs:
+        lines.append("A and B ran the same command from the same starting state: one factor "
+                     "cannot explain the change; it is the runs' own variation")
+    elif len(diffs) == 1:
+        lines.append(f"A and B differ in one factor: {diffs[0]}")
+    else:
+        lines.append(f"A and B differ in {len(diffs)} factors ({'; '.join(diffs)}): the "
+                     "change cannot be pinned on one of them; rerun changing one at a time")
+    return lines
+
+
+def _source_lines(src: dict[str, Any]) -> list[str]:
+    tok = src["tokens_per_request"]
+    parts = ", ".join(f"{k.replace('_', ' ')} {v['a']:,.0f} -> {v['b']:,.0f}"
+                      for k, v in tok.items())
+    lines = [f"prompt tokens per request by KV source (A -> B): {parts}"]
+    st = src["stage_mean_ns"]
+    exp = src.get("expected_prefill_delta_ns")
+    d_rec = tok["recomputed"]["delta"]
+    load = src["load_delta_ns"]
+    if exp is not None:
+        lines.append(f"{d_rec:+,.0f} recomputed tokens per request should move prefill by "
+                     f"{fmt_ns(exp, signed=True)} per request (at the fitted "
+                     f"{fmt_ns(src['per_token_ns'])} per token); prefill moved "
+                     f"{fmt_ns(st['prefill']['delta_ns'], signed=True)}, the loads (remote_read "
+                     f"+ h2d + sync) {fmt_ns(load, signed=True)}, queue "
+                     f"{fmt_ns(st['queue']['delta_ns'], signed=True)}")
+    else:
+        lines.append(f"{d_rec:+,.0f} recomputed tokens per request; prefill moved "
+                     f"{fmt_ns(st['prefill']['delta_ns'], signed=True)}, the loads "
+                     f"{fmt_ns(load, signed=True)} (no step cost model to price the tokens)")
+    if src.get("ate"):
+        ate = src["ate"]
+        d_ttft = st["ttft"]["delta_ns"]
+        lead = (f"hits went up ({src['reused_delta_tokens']:+,.0f} reused tokens per "
+                "request) but " if src["reused_delta_tokens"] > 0 else "")
+        ate_ns = load if ate == "loads" else st[ate]["delta_ns"]
+        what = "the loads (remote_read + h2d + sync)" if ate == "loads" else ate
+        lines.append(f"{lead}TTFT moved {fmt_ns(d_ttft, signed=True)} per request, not the "
+                     f"{fmt_ns(exp, signed=True)} the recompute change should give; of the "
+                     f"{fmt_ns(d_ttft - exp)} not kept, {what} took "
+                     f"{fmt_ns(ate_ns, signed=True)}, the largest rise")
+    return lines
 
 
 def _outputs_lines(o: dict[str, Any]) -> list[str]:
@@ -442,7 +518,7 @@ def _ratio_text(row: Any, side: str) -> str:
     num, den, val = (getattr(row, f"{side}_{k}") for k in ("numerator", "denominator", "value"))
     if row.delta_unit == "pts":
         return f"{num:,} / {den:,} ({fmt_pct(val)})"
-    return f"{num:,} / {den:,} ({'-' if val is None else f'{val:,.1f}'})"
+    return f"{num:,} / {den:,} ({'-' if val is None else f'{val:,.1f}'} {row.delta_unit})"
 
 
 def render_import(imp: Any, report: Report | None, fmt: str) -> str:

@@ -166,6 +166,19 @@ def tier_config(opts: RunOptions) -> tuple[Any, Any]:
                       remote_key=key), store
 
 
+def _objects(store: Any) -> int | None:
+    """Objects the remote store holds at the start (None when it cannot say): the starting
+    state that tells a cold run from a warm one."""
+    count = getattr(store, "count", None)
+    if count is None:
+        return None
+    try:
+        return int(count())
+    except Exception as exc:  # a count is telemetry: never a reason to fail the run
+        log.info("kvscope run: could not count the remote's objects: %s", exc)
+        return None
+
+
 def redact_url(url: str | None) -> str | None:
     """`url` without its password (run.json and messages never carry one)."""
     if not url or "@" not in url:
@@ -297,7 +310,8 @@ def run_session(opts: RunOptions, *, on_start: Callable[[int, str | None], None]
     if tiers.remote is not None:
         key = tiers.remote_key
         remote_info.update(authenticated=key is not None,
-                           key_id=key.key_id_hex if key is not None else None)
+                           key_id=key.key_id_hex if key is not None else None,
+                           objects_at_start=_objects(remote_store))
         if key is None:
             log.warning("kvscope run: warning: the remote tier %s is unauthenticated: anyone "
                         "who can write to it can change this engine's outputs; give "
@@ -311,7 +325,9 @@ def run_session(opts: RunOptions, *, on_start: Callable[[int, str | None], None]
         "tiers": {"device": {"block_size": cfg.cache.block_size,
                              "num_blocks": cfg.cache.num_blocks,
                              "kv_bytes_per_block": engine.runner.kv_bytes_per_block},
-                  "host": {"num_blocks": tiers.host_blocks, "write": tiers.host_write},
+                  "host": {"num_blocks": tiers.host_blocks, "write": tiers.host_write,
+                           "blocks_at_start": (len(engine.flow.host) if engine.flow is not None
+                                               and engine.flow.host is not None else 0)},
                   "remote": remote_info},
         "workload": {"name": opts.workload, "num_requests": len(arrivals), "seed": opts.seed,
                      "rate": opts.rate, "tenants": opts.tenants, "scale": opts.scale,

@@ -72,6 +72,10 @@ def test_tier_flags_warm_remote_then_faults(tmp_path: Path) -> None:
                 threads=1, collectors=False, remote=remote)
     cold = run_session(RunOptions(**base, out=tmp_path / "cold", host_blocks=8))
     warm = run_session(RunOptions(**base, out=tmp_path / "warm"))
+    # The objects the faulty run starts with, counted by hand from the store's directory.
+    objects = sum(1 for f in (tmp_path / "remote").rglob("*")
+                  if f.is_file() and len(f.name) == 64)
+    assert objects > 0
     faulty = run_session(RunOptions(**base, out=tmp_path / "faulty",
                                     faults=("remote-corrupt-rate=1", "remote-latency=1ms")))
     assert cold.remote_loaded_tokens == 0 and warm.remote_loaded_tokens > 0
@@ -83,7 +87,9 @@ def test_tier_flags_warm_remote_then_faults(tmp_path: Path) -> None:
     assert run.meta["config"]["tiers"]["remote"] == {
         "url": remote, "timeout_ms": 500.0,
         "faults": ["remote-corrupt-rate=1", "remote-latency=1ms"], "authenticated": False,
-        "key_id": None}
+        "key_id": None, "objects_at_start": objects}
+    assert open_run(tmp_path / "cold").meta["config"]["tiers"]["remote"]["objects_at_start"] == 0
+    assert run.meta["config"]["tiers"]["host"]["blocks_at_start"] == 0
     events = run.events
     assert (events["name"] == "unauthenticated_remote").sum() == 1
     assert (run.requests["load_failed_checksum_tokens"] > 0).any()

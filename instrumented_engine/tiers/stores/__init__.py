@@ -46,6 +46,11 @@ class RemoteStore(Protocol):
         """Store one object (atomically: readers see all of it or nothing)."""
         ...
 
+    def count(self, limit: int = 1_000_000) -> int:
+        """Objects held now, counted up to `limit` (the starting state run.json records:
+        cold and warm runs look the same in a config diff)."""
+        ...
+
     def check(self) -> None:
         """Raise `RemoteError` (naming what failed) unless the store is reachable and usable
         now: a run checks its remote once at start, so a wrong URL fails in one clear line

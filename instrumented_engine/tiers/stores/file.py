@@ -126,6 +126,25 @@ class FileStore:
         except OSError as e:
             raise RemoteError(f"write {block_hash.hex()}: {e}") from e
 
+    def count(self, limit: int = 1_000_000) -> int:
+        """Objects in the store, counted up to `limit` (a directory walk; in-flight
+        temporaries left out)."""
+        n = 0
+        try:
+            with os.scandir(self._root) as top:
+                for d in top:
+                    if not d.is_dir(follow_symlinks=False) or len(d.name) != 2:
+                        continue
+                    with os.scandir(d.path) as objs:
+                        for o in objs:
+                            if len(o.name) == 64 and o.is_file(follow_symlinks=False):
+                                n += 1
+                                if n >= limit:
+                                    return n
+        except OSError as e:
+            raise RemoteError(f"file store {self.root}: {e}") from e
+        return n
+
     def check(self) -> None:
         """The directory exists and this process can create and remove a file in it."""
         probe = self.root / f".kvscope-check.{os.getpid()}.{threading.get_ident()}"

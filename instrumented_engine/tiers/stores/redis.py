@@ -98,6 +98,16 @@ class RedisStore:
         with _translated():
             self.client.set(key(block_hash), data)
 
+    def count(self, limit: int = 1_000_000) -> int:
+        """kvscope objects in the database (SCAN over the key prefix), up to `limit`."""
+        n = 0
+        with _translated():
+            for _ in self.client.scan_iter(match=KEY_PREFIX + b"*", count=1000):
+                n += 1
+                if n >= limit:
+                    break
+        return n
+
     def check(self) -> None:
         """PING the server (within the socket timeout)."""
         with _translated():
