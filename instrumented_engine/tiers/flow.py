@@ -123,7 +123,8 @@ class TierFlow:
             if req.state == QUEUE:
                 life.enter(req, REMOTE_READ, now)
                 for r in plan.reads:
-                    life.waits_on(req, r.transfer_id)
+                    if r.transfer_id >= 0:  # a block found staged is no transfer
+                        life.waits_on(req, r.transfer_id)
             return False
         if req.state == REMOTE_READ:
             # It waited on the reads up to when the last one ended (or its deadline passed),

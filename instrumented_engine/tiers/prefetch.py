@@ -82,6 +82,15 @@ class Prefetcher:
                 elif r not in plan.reads:
                     r.users += 1
                     plan.reads.append(r)
+            # Blocks already staged (an earlier read brought them) are pinned here, at once:
+            # no transfer, nothing to wait for.
+            staged = [h for h in own if self.staging.acquire(h) is not None]
+            if staged:
+                done: Future[ReadResult] = Future()
+                done.set_result(ReadResult([None] * len(staged), pinned=staged))
+                plan.reads.append(Read(done, -1, staged, req.request_num, self.clock()))
+                have = set(staged)
+                own = [h for h in own if h not in have]
             if not own:
                 return
             tid = -1 if self.rec is None else self.rec.new_transfer_id()

@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -15,6 +16,7 @@ from analyzers.ttft import partition
 from instrumented_engine.engine import LLMEngine
 from instrumented_engine.tiers import ResilienceConfig
 from instrumented_engine.tiers.config import TierConfig
+from instrumented_engine.tiers.plan import TierPlan
 from instrumented_engine.tiers.stores.file import FileStore
 from tests.instrumented_engine.helpers import tiny_config, tokens
 
@@ -133,3 +135,50 @@ def test_a_hung_remote_never_stalls_the_engine_loop(warm: Path) -> None:
     for rid in others:
         assert outs[rid].first_token_ns < rr["end_ns"].iloc[0] - rec.anchor.offset_ns
     assert eng.stats.steps > len(others)
+
+
+class CountingReads(GatedReads):
+    """GatedReads that counts the blocks its reads asked for."""
+
+    def __init__(self, inner: FileStore) -> None:
+        super().__init__(inner, 0.0)
+        self.release.set()
+        self.blocks_read = 0
+
+    def read_many(self, block_hashes: Sequence[bytes]) -> list[bytes | None]:
+        self.blocks_read += len(block_hashes)
+        return super().read_many(block_hashes)
+
+
+def test_blocks_an_earlier_read_staged_are_taken_without_a_transfer(warm: Path) -> None:
+    """A prefetch for blocks an earlier (finished) read staged pins them at once: no second
+    read, no transfer id, nothing to wait for (else a request could wait in `remote_read` on
+    a transfer that never ran: test_flow's warm-remote flake under load)."""
+    store = CountingReads(FileStore(warm))
+    tiers = TierConfig(remote=f"file://{warm}", resilience=ResilienceConfig(timeout_s=30.0))
+    eng = LLMEngine(tiny_config(), recorder=Recorder(), tier_config=tiers,
+                    remote_store=store)
+    eng.add_request(PROMPTS[0], MAX_TOKENS)
+    first = eng._inbox[0][0]  # submitted, its prefetch started, not yet taken by a step
+    assert first.tier is not None and first.tier.reads
+    for r in first.tier.reads:
+        r.future.result(timeout=30)
+    read_before = store.blocks_read
+    n = first.tier.promised_remote
+    assert read_before == n > 0
+    pf = eng.flow.prefetcher
+    twin = SimpleNamespace(block_hashes=first.block_hashes, namespace=first.namespace,
+                           request_num=first.request_num + 1000)
+    plan = TierPlan(0, 0, n)
+    pf.start(twin, plan)
+    assert store.blocks_read == read_before  # nothing read again
+    (read,) = plan.reads
+    assert read.transfer_id == -1 and read.future.done()
+    assert read.future.result().pinned == list(first.block_hashes[:n])
+    assert read.future.result().statuses == [None] * n
+    # Its pins are let go like a read's: once the twin and the first request have taken
+    # the blocks, nothing stays pinned.
+    pf.unpin(plan.reads)
+    outs = eng.run_until_done()
+    eng.close()
+    assert len(outs) == 1 and eng.flow.staging.referenced() == 0
