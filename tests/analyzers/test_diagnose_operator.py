@@ -172,6 +172,23 @@ def test_serialised_loads_show_one_load_per_waiting_request() -> None:
     assert isinstance(one("load_serialisation", *few), NotEvaluated)
 
 
+def test_serialisation_behind_prefetch_workers_is_still_one_at_a_time() -> None:
+    """The shape `--fault remote-concurrency=1` gives with two prefetch workers: a one-at-a-
+    time store, 20 ms a read, and a second read always queued inside it, so every read but
+    the first spans 40 ms ((k-1) x 20 .. (k+1) x 20 ms). The queued half is not service: the
+    fastest read (20 ms) bounds one read's service, and the path serves 20 / 20 = 1 at a
+    time (a typical read's 40 ms would say 2)."""
+    stages = [{"remote_read": (k + 1) * 20 * MS, "prefill": MS} for k in range(12)]
+    reads = [{"request_id": f"r{k:03d}", "kind": "activity", "name": "remote_read",
+              "start_ns": T0 + max(k - 1, 0) * 20 * MS, "end_ns": T0 + (k + 1) * 20 * MS,
+              "tier": "remote", "transfer_id": k} for k in range(12)]
+    f = one("load_serialisation", *build(stages, gap_ns=MS, extra_spans=reads))
+    assert isinstance(f, Finding) and f.severity == "critical"
+    assert f.metrics["one_load_ns"] == pytest.approx(20 * MS)
+    assert f.metrics["parallelism"] == pytest.approx(1.0)
+    assert "serves at most about 1.0 at a time" in f.title
+
+
 # ---- preemption_thrash --------------------------------------------------------------------
 
 def test_preemption_thrash_with_an_exhausted_pool() -> None:
