@@ -25,6 +25,7 @@ from analyzers.accounting import (
     prefill_seconds_saved,
     token_accounting,
 )
+from analyzers.checks import accounting_problem, ledger_problem, partition_problem
 from analyzers.consistency import Consistency, check_consistency, kv_bytes_per_block_of
 from analyzers.costmodel import StepCost, fit_step_cost
 from analyzers.diagnose import DiagnoseReport, diagnose_report, render_markdown, render_text
@@ -41,7 +42,6 @@ REPORT_VERSION = 2
 #: Version of the JSON comparison layout (`kvscope compare --format json`).
 COMPARE_VERSION = 1
 FORMATS = ("text", "markdown", "json")
-_MAX_LISTED = 10
 
 
 @dataclass(slots=True)
@@ -223,23 +223,14 @@ def render_doc(report: Report, *, markdown: bool = False) -> str:
 
     head("Checks")
     v = report.violations
-    if len(v):
-        listed = ", ".join(f"{x.request_id} ({x.violation})" for x in v.head(_MAX_LISTED)
-                           .itertuples())
-        more = f" and {len(v) - _MAX_LISTED} more" if len(v) > _MAX_LISTED else ""
-        out.append(f"partition: {len(v):,} request(s) broke the partition rules and were "
-                   f"resolved by the sweep line: {listed}{more}")
-    else:
-        out.append(f"partition: stages sum exactly to TTFT for all {s.requests:,} requests")
+    out.append(partition_problem(v) or
+               f"partition: stages sum exactly to TTFT for all {s.requests:,} requests")
     iv = a.identity_violations
     if not report.accounting_known:
         out.append("accounting: not checked (no accounting in this source)")
-    elif len(iv):
-        listed = ", ".join(f"{x.request_id} ({x.check}: expected {x.expected}, got {x.actual})"
-                           for x in iv.head(_MAX_LISTED).itertuples())
-        out.append(f"accounting: {len(iv):,} violation(s): {listed}")
     else:
-        out.append("accounting: prompt = device_hit + host_loaded + remote_loaded + "
+        out.append(accounting_problem(iv) or
+                   "accounting: prompt = device_hit + host_loaded + remote_loaded + "
                    f"recomputed holds for all {a.requests:,} requests")
     out.append(_consistency_line(report.consistency))
 
@@ -328,13 +319,9 @@ def _stage_rows(s: TTFTSummary) -> Table:
 def _consistency_line(c: Consistency) -> str:
     if not c.available:
         return f"ledger: not checked ({c.reason})"
-    if len(c.mismatches):
-        m = c.mismatches
-        listed = ", ".join(f"{x.request_id} {x.column} recorded {x.recorded:,}, recomputed "
-                           f"{x.recomputed:,}" for x in m.head(_MAX_LISTED).itertuples())
-        more = f" and {len(m) - _MAX_LISTED} more" if len(m) > _MAX_LISTED else ""
-        return (f"ledger: {len(m):,} accounting value(s) disagree with the recorded lookups, "
-                f"loads, reads and copies: {listed}{more}")
+    problem = ledger_problem(c)
+    if problem is not None:
+        return problem
     extra = f"; {c.reason}" if c.reason else ""
     return (f"ledger: all {len(c.columns)} accounting columns of all {c.requests:,} requests "
             f"agree exactly with the recorded lookups, loads, reads and copies{extra}")

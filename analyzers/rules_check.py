@@ -180,11 +180,18 @@ def load_rules(path: str | Path) -> list[Rule]:
                 if not isinstance(r, dict) or "expr" not in r:
                     raise InputError(f"{where}: missing 'expr'")
                 if "alert" in r:
-                    rules.append(Rule(gname, str(r["alert"]), "alert", str(r["expr"])))
+                    kind, name = "alert", str(r["alert"])
                 elif "record" in r:
-                    rules.append(Rule(gname, str(r["record"]), "record", str(r["expr"])))
+                    kind, name = "record", str(r["record"])
                 else:
                     raise InputError(f"{where}: neither 'alert' nor 'record'")
+                expr = r["expr"]
+                if not isinstance(expr, str):
+                    # YAML reads `expr: 5` as a number and `expr: [a]` as a list: a rule file
+                    # holds PromQL as text, so a number is a mistake (quote it if meant).
+                    raise InputError(f"{p}: group {gname!r} rule {name!r}: expr: expected a "
+                                     f"PromQL string, got {type(expr).__name__} {expr!r}")
+                rules.append(Rule(gname, name, kind, expr))
     if not found_groups:
         raise InputError(f"{p}: no rule groups (expected 'groups:' or a PrometheusRule with "
                          "'spec.groups')")
@@ -334,3 +341,298 @@ def check_rules(rules: list[Rule], available: set[str]) -> list[Problem]:
         for metric in sorted(metric_names(r.expr) - known):
             problems.append(Problem(r, metric, suggest(metric, available)))
     return problems
+
+
+
+# ----------------------------------------------------------------------------------- syntax
+
+#: PromQL binary operators (keywords compared lower-case); `@` takes a time on its right.
+_BINARY_OPS: frozenset[str] = frozenset({
+    "+", "-", "*", "/", "%", "^", "==", "!=", ">", "<", ">=", "<=", "and", "or", "unless",
+    "atan2", "@",
+})
+_COMPARISONS: frozenset[str] = frozenset({"==", "!=", ">", "<", ">=", "<="})
+_MATCH_OPS: frozenset[str] = frozenset({"=", "!=", "=~", "!~"})
+_CLOSERS = {")": "(", "]": "[", "}": "{"}
+#: Keywords that must be followed by a parenthesised label list (group_left/right may not).
+_NEEDS_LABELS: frozenset[str] = frozenset({"by", "without", "on", "ignoring"})
+_DURATION = r"(?:\d+(?:\.\d+)?(?:ms|s|m|h|d|w|y))+|\d+(?:\.\d+)?"
+_RANGE_RE = re.compile(rf"^\s*(?:{_DURATION})\s*(?::\s*(?:{_DURATION})?\s*)?$")
+_NUMBER_WORDS = frozenset({"inf", "nan"})
+
+_Tok = tuple[str, str, int]  # (kind, text, 1-based column)
+
+
+def _word(t: _Tok | None) -> str:
+    return t[1].lower() if t is not None and t[0] == "ident" else ""
+
+
+def _is_operand_end(t: _Tok | None, after_labels: bool) -> bool:
+    """Whether `t` ends an operand: a name, number or string, or a closing bracket (not that
+    of a label list leading an operand: `sum by (l) (x)`, `on (l)`)."""
+    if t is None:
+        return False
+    kind, text, _ = t
+    if kind in ("number", "string"):
+        return True
+    if kind == "ident":
+        return text.lower() in _NUMBER_WORDS or text.lower() not in _KEYWORDS
+    return text in _CLOSERS and not after_labels
+
+
+def _closing(toks: list[_Tok], i: int, closer: str) -> int | None:
+    """Index of the first `closer` after `toks[i]` (None when the expression ends first)."""
+    for j in range(i + 1, len(toks)):
+        if toks[j][1] == closer:
+            return j
+    return None
+
+
+def _matchers_error(toks: list[_Tok], i: int, j: int) -> str | None:
+    """What is wrong with the label matchers `toks[i + 1:j]` of a `{...}` at `toks[i]`."""
+    items: list[list[_Tok]] = [[]]
+    for t in toks[i + 1:j]:
+        if t[1] == "," or _word(t) == "or":
+            items.append([])
+        else:
+            items[-1].append(t)
+    if not items[-1] and len(items) > 1:
+        items.pop()  # a trailing comma
+    for item in items:
+        if not item:
+            if len(items) > 1:
+                return f"empty label matcher in the selector at column {toks[i][2]}"
+            continue
+        if len(item) == 1 and item[0][0] == "string":
+            continue  # {"metric_name"}
+        if (len(item) != 3 or item[0][0] not in ("ident", "string") or item[1][1] not in
+                _MATCH_OPS or item[2][0] != "string"):
+            shown = " ".join(t[1] for t in item)
+            return (f"label matcher {shown!r} at column {item[0][2]}: expected label=\"value\" "
+                    "(or !=, =~, !~ and a quoted value)")
+    return None
+
+
+def promql_syntax_error(expr: str) -> str | None:
+    """A basic syntax check of a PromQL expression, for when `promtool` is not installed (it
+    lacks what needs the full grammar, such as unknown function names and argument types).
+
+    Checks: a non-empty expression; strings closed; only PromQL's characters and operators;
+    (), [] and {} balanced and properly nested; label matchers reading ``label op "value"``;
+    `=`, `=~` and `!~` only in them; a range or subquery inside [], after a selector or a
+    subexpression; every binary operator between two operands (`+` and `-` may be unary);
+    no two operands without an operator between them; `by`, `without`, `on` and `ignoring`
+    followed by a list of labels; `bool` after a comparison.
+
+    Returns:
+        The first problem found, naming its column (1-based), or None.
+    """
+    toks: list[_Tok] = [(m.lastgroup or "", m.group(), m.start() + 1)
+                        for m in _TOKEN.finditer(expr)
+                        if m.lastgroup not in ("space", "comment")]
+    if not toks:
+        return "empty expression"
+    parens: list[int] = []  # columns of the open (
+    prev: _Tok | None = None  # the last significant token (a bracketed group: its closer)
+    after_labels = False  # `prev` closed a label list that leads an operand
+    i = 0
+    while i < len(toks):
+        t = toks[i]
+        kind, text, col = t
+        low = text.lower()
+        ends = _is_operand_end(prev, after_labels)
+        if kind == "other":
+            if text in "\"'`":
+                return f"unterminated string starting at column {col}"
+            return f"unexpected character {text!r} at column {col}"
+        if text in ("{", "["):
+            closer = "}" if text == "{" else "]"
+            j = _closing(toks, i, closer)
+            if j is None:
+                return f"unclosed {text!r} opened at column {col}"
+            inner = toks[i + 1:j]
+            nested = next((x for x in inner if x[1] in "{}[]()"), None)
+            if nested is not None:
+                return f"unexpected {nested[1]!r} at column {nested[2]} inside {text}...{closer}"
+            if text == "{":
+                if ends and not (prev is not None and prev[0] == "ident"
+                                 and low not in _KEYWORDS):
+                    return f"missing operator before the selector at column {col}"
+                err = _matchers_error(toks, i, j)
+            else:
+                if not ends or (prev is not None and (prev[0] in ("number", "string")
+                                                      or prev[1] == "]")):
+                    return (f"'[' at column {col} must follow a selector or a "
+                            "parenthesised subexpression (not a number, string or range)")
+                body = expr[col:toks[j][2] - 1]
+                err = None if _RANGE_RE.match(body) else (
+                    f"[{body}] at column {col}: expected a range such as [5m] or a subquery "
+                    "such as [1h:5m]")
+            if err is not None:
+                return err
+            prev, after_labels, i = toks[j], False, j + 1
+            continue
+        if text in ("}", "]"):
+            return f"unexpected {text!r} at column {col}"
+        if text == "(":
+            if _word(prev) in _LABEL_LIST_KEYWORDS:
+                j = _closing(toks, i, ")")
+                if j is None:
+                    return f"unclosed '(' opened at column {col}"
+                for x in toks[i + 1:j]:
+                    if x[1] != "," and x[0] not in ("ident", "string"):
+                        return (f"unexpected {x[1]!r} at column {x[2]} in the label list of "
+                                f"{toks[i - 1][1]!r}")
+                # `sum(x) by (l)` ends an operand; `sum by (l) (x)` and `on (l)` lead one.
+                trailing = _word(prev) in ("by", "without") and i >= 2 and toks[i - 2][1] == ")"
+                prev, after_labels, i = toks[j], not trailing, j + 1
+                continue
+            call = prev is not None and prev[0] == "ident" and _word(prev) not in _KEYWORDS
+            if ends and not call:
+                return f"missing operator before '(' at column {col}"
+            parens.append(col)
+            prev, after_labels = t, False
+            i += 1
+            continue
+        if text == ")":
+            if not parens:
+                return f"unexpected ')' at column {col}"
+            opened = parens.pop()
+            if prev is not None and prev[0] == "op" and prev[1] in _BINARY_OPS | {","}:
+                return f"{prev[1]!r} at column {prev[2]} has nothing after it"
+            if prev is not None and prev[1] == "(" and not (
+                    i >= 2 and toks[i - 2][0] == "ident"):
+                return f"empty parentheses at column {opened}"
+            prev, after_labels = t, False
+            i += 1
+            continue
+        if text == ",":
+            if not parens:
+                return f"',' at column {col} outside a function's arguments"
+            if not ends:
+                return f"',' at column {col} has no argument before it"
+            prev, after_labels = t, False
+            i += 1
+            continue
+        if kind == "op" and text in ("=", "=~", "!~", "!", "~"):
+            hint = " (did you mean '=='?)" if text == "=" else ""
+            return f"{text!r} at column {col} outside a {{...}} label matcher{hint}"
+        if low in _BINARY_OPS:
+            if not ends and not (text in ("+", "-") and kind == "op"):
+                return f"operator {text!r} at column {col} has no left operand"
+            prev, after_labels = ("op", low, col), False
+            i += 1
+            continue
+        if kind == "ident" and low in _KEYWORDS and low not in _NUMBER_WORDS:
+            nxt = toks[i + 1][1] if i + 1 < len(toks) else ""
+            if low in _NEEDS_LABELS and nxt != "(":
+                return (f"{text!r} at column {col} must be followed by a parenthesised list "
+                        "of labels")
+            if low == "bool" and not (prev is not None and prev[1] in _COMPARISONS):
+                return f"'bool' at column {col} must follow a comparison operator"
+            if low == "offset" and not ends:
+                return f"'offset' at column {col} must follow a selector"
+            prev, after_labels = t, False
+            i += 1
+            continue
+        # An operand: a name, a number or a string.
+        if ends:
+            return f"missing operator between {prev[1]!r} and {text!r} at column {col}"
+        prev, after_labels = t, False
+        i += 1
+    if parens:
+        return f"unclosed '(' opened at column {parens[-1]}"
+    if prev is not None and prev[0] == "op" and prev[1] in _BINARY_OPS:
+        return f"expression ends with operator {prev[1]!r} (column {prev[2]})"
+    if _word(prev) in _KEYWORDS and _word(prev) not in _NUMBER_WORDS and not after_labels:
+        return f"expression ends with {prev[1]!r} (column {prev[2]})"
+    return None
+
+
+
+@dataclass(slots=True, frozen=True)
+class SyntaxProblem:
+    """A rule whose expression does not parse (or that promtool otherwise refuses)."""
+
+    rule: Rule | None  # None: a problem promtool names without a rule
+    problem: str
+    by: str  # "kvscope" (the basic check) or "promtool"
+
+    def message(self, path: str | Path) -> str:
+        where = (f"group {self.rule.group!r} rule {self.rule.name!r}: expr"
+                 if self.rule is not None else "rules")
+        tool = " (promtool check rules)" if self.by == "promtool" else ""
+        return f"{path}: {where}: {self.problem}{tool}"
+
+
+_PROMTOOL_LINE = re.compile(r'group "(?P<group>\d+)", rule (?P<rule>\d+), "[^"]*": (?P<msg>.*)$')
+
+
+def promtool_problems(rules: list[Rule], promtool: str, *, timeout_s: float = 60.0
+                      ) -> list[SyntaxProblem]:
+    """What `promtool check rules` says about `rules` (PromQL parse errors, invalid recording
+    rule names, ...), mapped back to the rules.
+
+    The rules are written to a temporary plain rule file, one group per rule (groups named by
+    index, so a PrometheusRule manifest, several documents or repeated group names check the
+    same way); it is removed afterwards.
+
+    Raises:
+        InputError: promtool cannot be run, or fails without saying which rule.
+    """
+    import json
+    import os
+    import subprocess
+    import tempfile
+
+    doc = {"groups": [{"name": str(i), "rules": [{r.kind: r.name, "expr": r.expr}]}
+                      for i, r in enumerate(rules)]}
+    fd, tmp = tempfile.mkstemp(prefix="kvscope-rules-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(doc, fh)  # JSON is YAML
+        try:
+            res = subprocess.run([promtool, "check", "rules", tmp], capture_output=True,
+                                 text=True, timeout=timeout_s, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise InputError(f"{promtool}: cannot run promtool check rules ({exc})") from None
+    finally:
+        os.unlink(tmp)
+    if res.returncode == 0:
+        return []
+    out: list[SyntaxProblem] = []
+    for line in (res.stdout + "\n" + res.stderr).splitlines():
+        m = _PROMTOOL_LINE.search(line)
+        if m is not None and int(m.group("group")) < len(rules):
+            out.append(SyntaxProblem(rules[int(m.group("group"))], m.group("msg").strip(),
+                                     "promtool"))
+    if not out:
+        said = " ".join((res.stderr or res.stdout).split()) or f"exit status {res.returncode}"
+        out.append(SyntaxProblem(None, said.replace(tmp, "<rules>"), "promtool"))
+    return out
+
+
+def syntax_problems(rules: list[Rule], *, promtool: str | None = None) -> list[SyntaxProblem]:
+    """Rules whose PromQL does not parse: the basic check (`promql_syntax_error`) first, then,
+    when it finds nothing and `promtool` (a path) is given, `promtool check rules`."""
+    out = [SyntaxProblem(r, err, "kvscope") for r in rules
+           if (err := promql_syntax_error(r.expr)) is not None]
+    if not out and promtool is not None and rules:
+        out = promtool_problems(rules, promtool)
+    return out
+
+
+def check_syntax(path: str | Path, rules: list[Rule], *, promtool: str | None = None) -> None:
+    """Refuse a rule file with a PromQL syntax error: InputError naming the file, the group,
+    the rule and the problem (the first; the count of the others).
+
+    Args:
+        path: the rule file, for the message.
+        rules: its rules (`load_rules`).
+        promtool: the promtool binary, when installed (`shutil.which("promtool")`).
+    """
+    problems = syntax_problems(rules, promtool=promtool)
+    if problems:
+        more = (f" (and {len(problems) - 1} more rule(s) that do not parse)"
+                if len(problems) > 1 else "")
+        raise InputError(problems[0].message(path) + more)

@@ -166,15 +166,23 @@ class CollectorRunner:
             h.errors += 1
             h.last_duration_s = (self.clock() - t0) / 1e9
             if c.name not in self._fail_logged:
+                # One line per collector until it recovers, not one per cycle. A file that
+                # cannot be read or parsed is the host's doing: its message says it all; any
+                # other exception is a bug and keeps its traceback (once).
                 self._fail_logged.add(c.name)
+                expected = isinstance(exc, OSError | ValueError)
                 log.warning("kvscope collectors: collector %s failed: %s (further failures are "
-                            "counted in kvscope_collector_errors_total)", c.name, exc,
-                            exc_info=True)
+                            "counted in kvscope_collector_errors_total)", c.name,
+                            _describe(exc), exc_info=not expected)
             ts = self.clock()
             self._deliver(c.name, Collection(ts, events=[Event(
                 ts, c.source, "collector_error", {"collector": c.name, "error": repr(exc)})]))
             return None
         t1 = self.clock()
+        if c.name in self._fail_logged:
+            self._fail_logged.discard(c.name)
+            log.warning("kvscope collectors: collector %s recovered after %d failure(s)",
+                        c.name, h.errors)
         h.runs += 1
         h.last_duration_s = (t1 - t0) / 1e9
         h.last_success_ns = t1
@@ -246,6 +254,13 @@ class CollectorRunner:
                 out.append(Reading("kvscope_collector_last_success_timestamp_seconds", lab,
                                    (h.last_success_ns + off) / 1e9))
         return out
+
+
+def _describe(exc: BaseException) -> str:
+    """An exception in one line: an OSError as `PATH: reason`."""
+    if isinstance(exc, OSError) and exc.filename:
+        return f"{exc.filename}: {exc.strerror or exc}"
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def default_collectors(

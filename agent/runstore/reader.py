@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from agent.errors import InputError, SchemaVersionError
-from agent.runstore.layout import PART_RE
+from agent.runstore.layout import PART_RE, RUN_JSON
 from agent.schema import READABLE_SCHEMA_VERSIONS, RUN_JSON_KEYS, SCHEMA_VERSION, TABLES
 
 if TYPE_CHECKING:
@@ -28,8 +28,11 @@ class RunStore:
         path: the run directory.
         meta: run.json.
         tables: table name → Arrow table (empty with the right schema when it has no parts).
-        gaps: human-readable notes on missing parts (e.g. "samples: part-00003 missing").
+        gaps: human-readable notes on missing parts (e.g. "samples: part-00003 missing"),
+            including whole tables run.json says hold rows but whose parts are all gone.
         parts: table name → part sequence numbers read.
+        missing: the tables read whose rows run.json records but whose parts are all gone
+            (each also has a note in `gaps`); `open_run` refuses those the caller requires.
     """
 
     path: Path
@@ -37,6 +40,7 @@ class RunStore:
     tables: dict[str, pa.Table]
     gaps: list[str] = field(default_factory=list)
     parts: dict[str, list[int]] = field(default_factory=dict)
+    missing: list[str] = field(default_factory=list)
     _frames: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def frame(self, name: str) -> pd.DataFrame:
@@ -168,7 +172,14 @@ def to_pandas(table: pa.Table, schema: pa.Schema) -> pd.DataFrame:
 
 
 def read_meta(path: Path) -> dict[str, Any]:
-    meta_path = path / "run.json"
+    """run.json of the run directory `path`, validated (`validate_meta`): the one reading of
+    it that every command shares.
+
+    Raises:
+        InputError: no such directory, no run.json, not JSON, or a field `validate_meta`
+            refuses; `SchemaVersionError` for a schema version other than 1 and 2.
+    """
+    meta_path = path / RUN_JSON
     if not path.exists():
         raise InputError(f"{path}: no such run directory")
     if not path.is_dir():
@@ -179,26 +190,133 @@ def read_meta(path: Path) -> dict[str, Any]:
         meta = json.loads(meta_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InputError(f"{meta_path}: not valid JSON ({exc})") from None
+    except RecursionError:  # the C scanner recurses once per nesting level
+        raise InputError(f"{meta_path}: not valid JSON (nested too deeply)") from None
     except OSError as exc:  # a directory named run.json, no permission, ...
         raise InputError(f"{meta_path}: cannot read ({exc.strerror or exc})") from None
+    validate_meta(meta, meta_path)
+    return meta
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _json_type(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, int | float):
+        return "a number"
+    if isinstance(v, str):
+        return "a string"
+    if isinstance(v, list):
+        return "an array"
+    return "an object" if isinstance(v, dict) else type(v).__name__
+
+
+def _shown(v: Any) -> str:
+    """`v` for an error message: its JSON type and a short rendering."""
+    try:
+        text = json.dumps(v)
+    except (TypeError, ValueError, RecursionError):
+        text = repr(v)
+    return f"{_json_type(v)} ({text if len(text) <= 40 else text[:37] + '...'})"
+
+
+#: What a run.json field must hold, by kind: (test, description).
+_KINDS: dict[str, tuple[Any, str]] = {
+    "string": (lambda v: isinstance(v, str), "a string"),
+    "object": (lambda v: isinstance(v, dict), "an object"),
+    "array": (lambda v: isinstance(v, list), "an array"),
+    "ns": (lambda v: _is_int(v) and v >= 0, "an integer number of ns (>= 0)"),
+    "count": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    "int": (_is_int, "an integer"),
+    "positive": (lambda v: _is_int(v) and v > 0, "an integer > 0"),
+    "strings": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+                "an array of strings"),
+    "string or object": (lambda v: isinstance(v, str | dict), "a string or an object"),
+}
+
+#: run.json fields kvscope reads: (dotted path, kind, required, null allowed). A field the
+#: table does not name is kept as it is (producers add their own); one it names must have its
+#: kind, so no reader meets a list where it expects an object. Nested paths are checked when
+#: their parent is present (and an object).
+RUN_JSON_FIELDS: tuple[tuple[str, str, bool, bool], ...] = (
+    ("kvscope_version", "string", True, False),
+    ("run_id", "string", True, False),
+    ("clock", "object", True, False),
+    ("clock.wall_ns", "ns", True, False),
+    ("clock.mono_ns", "ns", True, False),
+    ("clock.pid", "int", False, False),
+    ("config", "object", True, False),
+    ("config.producer", "string", False, False),
+    ("config.model", "string or object", False, True),
+    ("config.engine", "object", False, True),
+    ("config.options", "object", False, True),
+    ("config.tiers", "object", False, True),
+    ("config.workload", "string or object", False, True),
+    ("config.command", "strings", False, True),
+    ("config.block_size", "positive", False, True),
+    ("created_ns", "ns", False, True),
+    ("start_ns", "ns", False, True),
+    ("end_ns", "ns", False, True),
+    ("status", "string", False, True),
+    ("host", "object", False, True),
+    ("host.hostname", "string", False, True),
+    ("rows", "object", False, True),
+    *((f"rows.{t}", "count", False, False) for t in TABLES),
+    ("summary", "object", False, True),
+    ("telemetry", "object", False, True),
+    ("profile", "string", False, True),
+    ("restarts", "array", False, True),
+    ("pruned_parts", "count", False, True),
+)
+
+
+def validate_meta(meta: Any, where: str | os.PathLike[str]) -> None:
+    """Check a parsed run.json: an object with every required key, a schema version this
+    kvscope reads (exactly 1 or 2), and every field of `RUN_JSON_FIELDS` of its kind.
+
+    Raises:
+        InputError: ``<run.json>: <field>: expected ..., got ...`` for the first field at
+            fault; `SchemaVersionError` for a schema version other than 1 and 2.
+    """
     if not isinstance(meta, dict):
-        raise InputError(f"{meta_path}: expected a JSON object")
+        raise InputError(f"{where}: expected a JSON object, got {_json_type(meta)}")
     missing = [k for k in RUN_JSON_KEYS if k not in meta]
     if missing:
-        raise InputError(f"{meta_path}: missing key(s) {', '.join(missing)}")
+        raise InputError(f"{where}: missing key(s) {', '.join(missing)}")
     version = meta["schema_version"]
-    if not isinstance(version, int) or isinstance(version, bool):
-        raise InputError(f"{meta_path}: schema_version must be an integer, got {version!r}")
+    if not _is_int(version):
+        raise InputError(f"{where}: schema_version must be an integer, got {_shown(version)}")
     if version > SCHEMA_VERSION:
         raise SchemaVersionError(
-            f"{meta_path}: schema version {version} is newer than this kvscope supports "
+            f"{where}: schema version {version} is newer than this kvscope supports "
             f"({SCHEMA_VERSION}); upgrade kvscope to read it"
         )
     if version not in READABLE_SCHEMA_VERSIONS:
         raise SchemaVersionError(
-            f"{meta_path}: schema version {version} is not one kvscope ever wrote (readable: "
+            f"{where}: schema version {version} is not one kvscope ever wrote (readable: "
             f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))})")
-    return meta
+    for dotted, kind, required, nullable in RUN_JSON_FIELDS:
+        *parents, key = dotted.split(".")
+        obj: Any = meta
+        for part in parents:
+            obj = obj.get(part) if isinstance(obj, dict) else None
+        if not isinstance(obj, dict):
+            continue  # the parent is absent (or null): checked, if required, on its own
+        if key not in obj:
+            if required:
+                raise InputError(f"{where}: {dotted}: missing")
+            continue
+        value = obj[key]
+        if value is None and nullable:
+            continue
+        test, what = _KINDS[kind]
+        if not test(value):
+            raise InputError(f"{where}: {dotted}: expected {what}, got {_shown(value)}")
 
 
 #: Columns a version-1 store lacks, and the value they take when it is read: a v1 engine had
@@ -332,26 +450,75 @@ def read_table(path: Path, name: str, gaps: list[str], version: int = SCHEMA_VER
     return pa.concat_tables(tables), seqs
 
 
-def open_run(path: str | os.PathLike[str], tables: tuple[str, ...] | None = None) -> RunStore:
-    """Read a run directory. Raises `InputError` naming the file at fault.
+#: The tables a reader of the whole run requires unless it says: the TTFT breakdown cannot
+#: be made without the spans. A missing requests table is noted but not refused here: every
+#: command that needs requests refuses a run without them in its own words.
+DEFAULT_REQUIRED: tuple[str, ...] = ("spans",)
+
+
+def recorded_rows(meta: dict[str, Any], name: str) -> int | None:
+    """The rows run.json's `rows` says table `name` was written with (None: it does not say).
+
+    A killed writer's counts lag behind its parts, so this bounds what was lost from below."""
+    rows = meta.get("rows")
+    n = rows.get(name) if isinstance(rows, dict) else None
+    return n if _is_int(n) else None
+
+
+def _missing_table(path: Path, name: str, meta: dict[str, Any], seqs: list[int]) -> str | None:
+    """Why table `name` is missing — run.json records rows for it, yet no part is left — or
+    None when it is not (it has parts, or nothing says it ever had rows)."""
+    n = recorded_rows(meta, name)
+    if seqs or not n:
+        return None
+    where = ("its folder is gone" if not (path / name).is_dir()
+             else "no parts are left in its folder (rotated or deleted)")
+    return f"{name}: table missing (run.json records {n:,} rows; {where})"
+
+
+def open_run(path: str | os.PathLike[str], tables: tuple[str, ...] | None = None, *,
+             require: tuple[str, ...] | None = None) -> RunStore:
+    """Read a run directory: the one validation of run.json (`validate_meta`) and of the
+    tables (schemas, gaps, missing tables) that every command reading a run shares. Raises
+    `InputError` naming the file at fault.
+
+    A table whose rows run.json records but whose parts are all gone is *missing*: when the
+    caller requires it, `open_run` refuses naming it; otherwise it is read as empty, listed in
+    `RunStore.missing` and noted in `RunStore.gaps` (which every report prints).
 
     Args:
         path: the run directory.
         tables: which tables to read (default all); the others are empty.
+        require: the tables the caller cannot do without (default: `tables` when given,
+            else `DEFAULT_REQUIRED`, the spans).
     """
     if tables is not None:
         unknown = [t for t in tables if t not in TABLES]
         if unknown:
             raise ValueError(f"unknown run-store table(s) {unknown}; expected some of "
                              f"{list(TABLES)}")
+    if require is None:
+        require = tables if tables is not None else DEFAULT_REQUIRED
     p = Path(path)
     meta = read_meta(p)
     gaps: list[str] = []
     out: dict[str, pa.Table] = {}
     seqs: dict[str, list[int]] = {}
+    missing: dict[str, str] = {}  # table → why
     for name, schema in TABLES.items():
         if tables is not None and name not in tables:
             out[name] = schema.empty_table()
             continue
         out[name], seqs[name] = read_table(p, name, gaps, meta["schema_version"], meta)
-    return RunStore(path=p, meta=meta, tables=out, gaps=gaps, parts=seqs)
+        why = _missing_table(p, name, meta, seqs[name])
+        if why is not None:
+            missing[name] = why
+            gaps.append(why)
+    # A run without requests is refused by every command that needs them, in its own words
+    # ("no requests recorded"); the other required tables matter only when there are some.
+    no_requests = "requests" in seqs and not out["requests"].num_rows
+    for name, why in missing.items():
+        if name in require and (name == "requests" or not no_requests):
+            raise InputError(f"{p / name}: {why.split(': ', 1)[1]}; this command needs the "
+                             f"{name} table")
+    return RunStore(path=p, meta=meta, tables=out, gaps=gaps, parts=seqs, missing=list(missing))

@@ -60,6 +60,30 @@ def nsys_events(path: str | Path, clock: Clock, pid: int,
         return _read(db, clock, pid)
 
 
+def nsys_time_range(path: str | Path) -> tuple[int, int] | None:
+    """The span of an nsys session in epoch ns: from the session start to the end of its last
+    NVTX range, memcpy or kernel; None when the export does not say when the session started
+    (`nsys_events` then notes that its clock is unaligned).
+
+    Raises:
+        InputError: as `nsys_events`.
+    """
+    with open_nsys(Path(path)) as db:
+        if db.epoch_ns is None:
+            return None
+        ends = [0]
+        for table in ("NVTX_EVENTS", _MEMCPY, _KERNEL):
+            if table not in db.tables:
+                continue
+            cols = table_columns(db.con, table)
+            for col in ("start", "end"):
+                if col in cols:
+                    (v,) = db.con.execute(f'SELECT MAX("{col}") FROM "{table}"').fetchone()
+                    if isinstance(v, int | float):
+                        ends.append(int(v))
+        return db.epoch_ns, db.epoch_ns + max(ends)
+
+
 def _select(con: sqlite3.Connection, table: str, cols: tuple[str, ...]) -> pd.DataFrame:
     """`cols` of `table`, NULL for those this nsys version lacks (columns vary by version)."""
     have = table_columns(con, table)

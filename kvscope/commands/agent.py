@@ -75,7 +75,7 @@ def agent(
     import logging
     import sys
 
-    from kvscope.node.config import AgentConfig, parse_watch
+    from kvscope.node.config import AgentConfig, check_roots, parse_watch
 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
@@ -87,6 +87,7 @@ def agent(
         sys_root=sys_root, proc_root=proc_root, watch=parse_watch(watch_pid),
         disable=tuple(disable),
     )
+    check_roots(config)  # before anything starts or is written
     if out is not None and (out / "run.json").exists():
         # Refuse a directory another agent is still writing before anything starts.
         from agent.runstore.writer import check_resumable

@@ -57,6 +57,12 @@ def analyze(
         if not len(store.requests):
             state = store.writer
             why = "" if state.status != "killed" else f"; the run was {state.describe()}"
+            if "requests" in store.missing:
+                from agent.runstore.reader import recorded_rows
+
+                raise InputError(f"{run / 'requests'}: table missing (run.json records "
+                                 f"{recorded_rows(store.meta, 'requests'):,} rows; its folder is "
+                                 f"gone): nothing to analyze{why}")
             raise InputError(f"{run / 'requests'}: no requests recorded (nothing to "
                              f"analyze){why}")
         text = render(build_report(store, by=by, window_ns=window_ns), fmt)

@@ -27,6 +27,7 @@ def compare(
 
     Per-stage p50/p99 changes with 95 % bootstrap intervals, accounting changes,
     and a verdict naming the stage that moved most. --format json is a stable layout.
+    Both runs get the checks `kvscope analyze` runs: problems are noted on stderr.
     """
     from agent.errors import InputError
 
@@ -34,6 +35,7 @@ def compare(
         raise InputError(f"--format {fmt}: expected one of {', '.join(FORMATS)}")
 
     from agent.runstore import open_run
+    from analyzers.checks import run_checks
     from analyzers.compare import compare as compare_runs
     from analyzers.report import render_comparison
 
@@ -43,3 +45,7 @@ def compare(
             raise InputError(f"{p / 'requests'}: no requests recorded (nothing to compare)")
     result = compare_runs(stores[0], stores[1], n_boot=n_boot, tail=tail, seed=seed)
     typer.echo(render_comparison(result, fmt), nl=False)
+    # The checks analyze runs, on both runs: a comparison of a broken run says so.
+    for label, p, s in zip("AB", (run_a, run_b), stores, strict=True):
+        for problem in run_checks(s):
+            typer.echo(f"kvscope: note: {label} {p}: {problem}", err=True)

@@ -30,12 +30,26 @@ def check(
 ) -> None:
     """Report rules that query metrics the target does not expose, with "did you mean" hints.
 
+    Every expression is checked for PromQL syntax first (`promtool check rules` too, when
+    promtool is on PATH): a rule that does not parse, or an `expr` that is not a string, is
+    bad input.
+
     Exit status: 0 when every queried metric is exposed, 1 when problems were found, 2 on bad
     input.
     """
-    from analyzers.rules_check import check_rules, load_rules, metric_names, read_metrics
+    import shutil
+
+    from analyzers.rules_check import (
+        check_rules,
+        check_syntax,
+        load_rules,
+        metric_names,
+        read_metrics,
+    )
 
     rules = load_rules(rules_file)
+    # A rule that does not parse never evaluates: bad input, refused before anything else.
+    check_syntax(rules_file, rules, promtool=shutil.which("promtool"))
     available, source = read_metrics(metrics)
     problems = check_rules(rules, available)
     queried = set().union(*(metric_names(r.expr) for r in rules)) if rules else set()

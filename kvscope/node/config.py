@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -88,6 +89,45 @@ class AgentConfig:
                 raise InputError(f"--watch-pid: pid must be positive, got {pid}")
         if len(set(labels)) != len(labels):
             raise InputError(f"--watch-pid: duplicate process names in {labels}")
+
+
+def check_roots(config: AgentConfig) -> None:
+    """Refuse, before anything starts, a --proc-root or --sys-root the collectors cannot read:
+    one clear error instead of a collector failing every cycle.
+
+    The host collector reads `<proc>/stat` and `<proc>/meminfo`; the NIC collector reads
+    `<sys>/class/net`, or `<proc>/net/dev` where sysfs has no network class.
+
+    Raises:
+        InputError: naming the option, the path and what is missing.
+    """
+    enabled = [c for c in COLLECTOR_NAMES if c not in config.disable]
+    roots = [("--proc-root", config.proc_root, ("host", "nic")),
+             ("--sys-root", config.sys_root, ("nic", "rdma"))]
+    for flag, root, users in roots:
+        if not any(c in enabled for c in users):
+            continue
+        if not os.path.exists(root):
+            raise InputError(f"{flag} {root}: no such directory (where procfs is mounted, "
+                             "e.g. /proc)" if flag == "--proc-root" else
+                             f"{flag} {root}: no such directory (where sysfs is mounted, "
+                             "e.g. /sys)")
+        if not os.path.isdir(root):
+            raise InputError(f"{flag} {root}: not a directory")
+    need: list[tuple[str, str]] = []  # (file, the collector that reads it)
+    if "host" in enabled:
+        need += [(os.path.join(config.proc_root, "stat"), "host"),
+                 (os.path.join(config.proc_root, "meminfo"), "host")]
+    if "nic" in enabled and not os.path.isdir(os.path.join(config.sys_root, "class", "net")):
+        need.append((os.path.join(config.proc_root, "net", "dev"), "nic"))
+    for path, collector in need:
+        if not os.path.isfile(path):
+            raise InputError(f"--proc-root {config.proc_root}: {path} does not exist (the "
+                             f"{collector} collector reads it): give the directory procfs is "
+                             f"mounted on, or --disable {collector}")
+        if not os.access(path, os.R_OK):
+            raise InputError(f"--proc-root {config.proc_root}: {path} is not readable (the "
+                             f"{collector} collector reads it)")
 
 
 def parse_watch(specs: list[str]) -> tuple[tuple[str, int], ...]:

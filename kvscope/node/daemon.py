@@ -25,7 +25,7 @@ from agent.runstore.writer import RunStoreWriter, check_resumable
 from collectors.base import BaseCollector, Collection
 from collectors.exposition import CONTENT_TYPE, CollectorExposition, TextRenderer
 from collectors.runner import CollectorRunner, default_collectors
-from kvscope.node.config import SELF_PROCESS, AgentConfig
+from kvscope.node.config import SELF_PROCESS, AgentConfig, check_roots
 from kvscope.node.store import StoreSink
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,7 @@ class NodeAgent:
                  collectors: list[BaseCollector] | None = None) -> None:
         self.config = config
         if collectors is None:
+            check_roots(config)  # the standard collectors read procfs and sysfs there
             watch = {SELF_PROCESS: os.getpid(), **dict(config.watch)}
             collectors = default_collectors(
                 sys_root=config.sys_root, proc_root=config.proc_root, include=config.include,

@@ -107,6 +107,11 @@ def test_newer_schema_empty_run_and_bad_options(run_copy: Path, tmp_path: Path,
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "run.json").write_text(json.dumps({**meta, "schema_version": 1}))
+    # run.json says 10 requests were written, and their folder is gone.
+    _assert_one_line_error(*_run(["analyze", str(empty)], capsys),
+                           "requests: table missing (run.json records 10 rows")
+    rows = {k: 0 for k in meta["rows"]}
+    (empty / "run.json").write_text(json.dumps({**meta, "schema_version": 1, "rows": rows}))
     _assert_one_line_error(*_run(["analyze", str(empty)], capsys), "no requests recorded")
     _assert_one_line_error(*_run(["analyze", str(GOLDEN_RUN), "-f", "xml"], capsys),
                            "--format xml")
@@ -154,7 +159,7 @@ def test_a_killed_run_is_said_to_be_killed_with_the_requests_it_lacks(
     # Killed before any request finished: the error says so.
     shutil.rmtree(run_copy / "requests")
     code, out, err = _run(["analyze", str(run_copy)], capsys)
-    _assert_one_line_error(code, out, err, "no requests recorded",
+    _assert_one_line_error(code, out, err, "requests: table missing",
                            f"the run was killed: its writer (pid {pid}) is gone; 15 of 15")
 
 
