@@ -110,6 +110,19 @@ class FreeBlockQueue:
         self._tail.prev_free = b
         self.num_free += 1
 
+    def prepend_n(self, blocks: Sequence[KVBlock]) -> None:
+        """Link `blocks` at the head, in the order given (the first is reused first)."""
+        first = self._head.next_free
+        assert first is not None
+        prev = self._head
+        for b in blocks:
+            prev.next_free = b
+            b.prev_free = prev
+            prev = b
+            self.num_free += 1
+        prev.next_free = first
+        first.prev_free = prev
+
     def ids(self) -> list[int]:
         """Block ids from head to tail (tests and debugging; O(n))."""
         out = []
@@ -213,14 +226,23 @@ class BlockPool:
         return self.gone.pop(block_hash)
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
-        """Drop one reference per block, in the order given (callers pass reverse order)."""
+        """Drop one reference per block, in the order given (callers pass reverse order).
+
+        As in vLLM's block pool: blocks that hold no cached hash go to the head of the free
+        queue (reused first), cached ones to the tail, so a cached block is never evicted
+        while a block with nothing worth keeping is free."""
+        empty: list[KVBlock] = []
         for b in blocks:
             b.ref_cnt -= 1
             assert b.ref_cnt >= 0, f"{b} freed twice"
             if b.ref_cnt == 0:
-                self.free_queue.append(b)
                 if b.block_hash is not None:
+                    self.free_queue.append(b)
                     self.num_cached_free += 1
+                else:
+                    empty.append(b)
+        if empty:
+            self.free_queue.prepend_n(empty)
 
     def take_evictions(self) -> int:
         """Blocks evicted since the last call."""

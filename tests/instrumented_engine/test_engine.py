@@ -81,7 +81,9 @@ def test_shared_100_token_prefix_shares_exactly_six_blocks() -> None:
     eng.submit(second, promised)
     eng.step()  # admits `second`
     assert [b.block_id for b in second.blocks[:6]] == list(range(6))
-    assert second.blocks[6].block_id == 9  # a fresh block from the free queue's head
+    # From the free queue's head: first's partial last block 8 (no hash, nothing to keep),
+    # not one of its cached blocks.
+    assert second.blocks[6].block_id == 8
     out = eng.run_until_done()[0]
     assert out.accounting.device_hit_tokens == 96
     assert out.accounting.recomputed_tokens == 34

@@ -42,8 +42,9 @@ def test_finished_request_frees_in_reverse_and_keeps_hashes() -> None:
     assert admit(kv, a) == [0, 1, 2]
     assert pool.state_counts() == (3, 0, 5)
     kv.free(a)
-    # Reverse order: the partial block 2 first, then the chain tail 1, then its head 0.
-    assert pool.free_queue.ids() == [3, 4, 5, 6, 7, 2, 1, 0]
+    # The partial block 2 holds no hash: it goes to the head (reused first); the cached
+    # blocks go to the tail in reverse order, the chain tail 1 before its head 0.
+    assert pool.free_queue.ids() == [2, 3, 4, 5, 6, 7, 1, 0]
     assert [b.ref_cnt for b in pool.blocks[:3]] == [0, 0, 0]
     # Full blocks keep their hashes (cached_free); the partial block was never hashed (empty).
     assert pool.state_counts() == (0, 2, 6)
@@ -57,11 +58,32 @@ def test_hit_on_cached_free_block_leaves_the_queue_in_place() -> None:
     admit(kv, a)
     kv.free(a)
     b = make_request("b", [*range(8), 99, 98, 97])  # shares a's 2 full blocks
-    assert admit(kv, b) == [0, 1, 3]  # hits 0 and 1, one new block from the head (3)
+    assert admit(kv, b) == [0, 1, 2]  # hits 0 and 1, one new block from the head (2)
     assert b.num_cached_blocks == 2
-    # 0 and 1 were unlinked from the middle/tail; the rest keep their order.
-    assert pool.free_queue.ids() == [4, 5, 6, 7, 2]
+    # 0 and 1 were unlinked from the tail; the rest keep their order.
+    assert pool.free_queue.ids() == [3, 4, 5, 6, 7]
     assert pool.state_counts() == (3, 0, 5)
+
+
+def test_a_cached_block_is_not_evicted_while_an_empty_block_is_free() -> None:
+    """A pool of four: a (two full blocks) and b (one full, one partial) finish, a first. In
+    freeing order alone the queue would be [1, 0, 3, 2] and c's one new block would evict a's
+    cached block 1 while b's empty block 3 is free; empty blocks go to the head instead."""
+    pool = BlockPool(4)
+    kv = KVCacheManager(pool, BS)
+    a = make_request("a", list(range(8)))  # 2 full blocks
+    b = make_request("b", [50, 51, 52, 53, 54, 55])  # 1 full block + 2 tokens
+    assert admit(kv, a) == [0, 1] and admit(kv, b) == [2, 3]
+    kv.free(a)
+    kv.free(b)
+    assert pool.free_queue.ids() == [3, 1, 0, 2]
+    c = make_request("c", [90, 91])  # no hit, one new block
+    assert admit(kv, c) == [3]
+    assert set(pool.cached.values()) == {pool.blocks[0], pool.blocks[1], pool.blocks[2]}
+    assert pool.take_evictions() == 0
+    # A later prompt sharing a's prefix still hits both of its blocks.
+    d = make_request("d", [*range(8), 7])
+    assert admit(kv, d)[:2] == [0, 1] and d.num_cached_blocks == 2
 
 
 def test_lazy_eviction_pops_lru_first_and_evicts_chain_tails_first() -> None:
@@ -71,12 +93,12 @@ def test_lazy_eviction_pops_lru_first_and_evicts_chain_tails_first() -> None:
     a = make_request("a", [*range(12), 1])  # 3 full blocks + 1 token → blocks 0..3
     assert admit(kv, a) == [0, 1, 2, 3]
     kv.free(a)
-    assert pool.free_queue.ids() == [4, 3, 2, 1, 0]
+    assert pool.free_queue.ids() == [3, 4, 2, 1, 0]  # the partial block 3 first (no hash)
     assert pool.state_counts() == (0, 3, 2)
     # Nothing is evicted at free time: the hashes stay until the blocks are reallocated.
     assert len(pool.cached) == 3 and evicted == []
     c = make_request("c", [500 + i for i in range(14)])  # unrelated: 4 blocks
-    assert admit(kv, c) == [4, 3, 2, 1]
+    assert admit(kv, c) == [3, 4, 2, 1]
     assert evicted == [2, 1]  # the tail of a's chain goes first
     assert pool.take_evictions() == 2
     assert pool.take_evictions() == 0
@@ -97,9 +119,9 @@ def test_ref_counts_under_sharing() -> None:
     assert [pool.blocks[i].ref_cnt for i in range(4)] == [2, 2, 1, 1]
     kv.free(a)
     assert [pool.blocks[i].ref_cnt for i in range(4)] == [1, 1, 0, 1]
-    assert pool.free_queue.ids() == [4, 5, 6, 7, 8, 9, 2]  # shared blocks stay in use
+    assert pool.free_queue.ids() == [2, 4, 5, 6, 7, 8, 9]  # shared blocks stay in use
     kv.free(b)
-    assert pool.free_queue.ids() == [4, 5, 6, 7, 8, 9, 2, 3, 1, 0]
+    assert pool.free_queue.ids() == [3, 2, 4, 5, 6, 7, 8, 9, 1, 0]
     assert pool.state_counts() == (0, 2, 8)
 
 
