@@ -16,6 +16,9 @@ MODEL_PRESETS: tuple[str, ...] = ("tiny", "small", "medium")
 #: How blocks reach the host tier: `evict` (device evictions are saved) or `through` (every new
 #: full block is written behind). See instrumented_engine.tiers.config.TierConfig.
 HOST_WRITES: tuple[str, ...] = ("evict", "through")
+#: How host-staged KV reaches the device (`instrumented_engine.tiers.h2d`): layer by layer
+#: beside the forward, or every layer before it.
+LOAD_MODES = ("layer", "whole")
 
 
 def _check_int(name: str, value: int, lo: int, hi: int | None = None) -> None:

@@ -297,13 +297,12 @@ class LLMEngine:
         inp = self.runner.prepare(reqs, num_new)
         if tel:
             tel.phase_end()
-        if self.flow is not None:
-            self.flow.before_forward(reqs)
+        layer_ready = self.flow.before_forward(reqs) if self.flow is not None else None
         t2 = clock()
         if tel:
             tel.phase("forward", step_id)
             mark = tel.begin_forward()
-        logits = self.runner.forward(inp)
+        logits = self.runner.forward(inp, layer_ready=layer_ready)
         if tel:
             tel.end_forward(mark, step_id, batch, tokens)
             tel.phase_end()

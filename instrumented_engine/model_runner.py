@@ -8,6 +8,7 @@ the last row of a request whose chunk reaches its last known token).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -103,9 +104,12 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def forward(self, inp: StepInputs) -> torch.Tensor | None:
-        """(S, vocab) float32 logits of the sampling rows (None when no row samples)."""
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+    def forward(self, inp: StepInputs,
+                layer_ready: Callable[[int], None] | None = None) -> torch.Tensor | None:
+        """(S, vocab) float32 logits of the sampling rows (None when no row samples);
+        `layer_ready(i)` is called before layer i touches the KV cache."""
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta,
+                            layer_ready=layer_ready)
         if not inp.sampling:
             return None
         logits = self.model.compute_logits(hidden.index_select(0, inp.logits_rows))

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from agent.errors import InputError
-from instrumented_engine.config import DTYPES, HOST_WRITES
+from instrumented_engine.config import DTYPES, HOST_WRITES, LOAD_MODES
 
 #: Where `kvscope run` serves /metrics by default: not 9090/9100/9400/9464 (Prometheus,
 #: node_exporter, dcgm-exporter, OTel's Prometheus exporter) nor 9477 (`kvscope agent`).
@@ -64,6 +65,8 @@ class Flag:
             return ""
         lo = "" if self.lo is None else _num(self.lo)
         hi = "" if self.hi is None else _num(self.hi)
+        if self.lo is None:
+            return f"<= {hi}"
         if self.lo_open:
             return f"> {lo}" if self.hi is None else f"> {lo} and <= {hi}"
         if self.hi is None:
@@ -76,7 +79,8 @@ class Flag:
 
 
 def _num(v: float) -> str:
-    return f"{int(v):,}" if float(v).is_integer() else f"{v:g}"
+    """A bound as --help shows it: 1,000,000 / 0.99 / 0.000001 (never 1e-06)."""
+    return f"{int(v):,}" if float(v).is_integer() else f"{v:,.12f}".rstrip("0")
 
 
 def opt(default: Any, name: str, help: str, **kw: Any) -> Any:
@@ -144,6 +148,11 @@ class RunOptions:
     host_write: str = opt("evict", "--host-write", "How blocks reach the host tier: evict "
                           "(device evictions are saved) or through (every new block).",
                           choices=HOST_WRITES)
+    load_mode: str = opt("layer", "--load-mode", "How KV loaded from the host tier or the "
+                         "remote's staging reaches the device: layer (copied layer by layer "
+                         "beside the forward; each layer waits only for its own copy, the wait "
+                         "is sync) or whole (every layer copied before the forward).",
+                         choices=LOAD_MODES)
     faults: tuple[str, ...] = opt((), "--fault", "Inject a remote fault (repeatable): "
                                   "remote-latency=50ms (every operation), "
                                   "remote-read-latency=, remote-lookup-latency=, "
@@ -164,7 +173,11 @@ class RunOptions:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            check_value(flag_of(f.name), getattr(self, f.name))
+            v = getattr(self, f.name)
+            if f.type == "int" and (isinstance(v, bool) or not isinstance(v, int)):
+                # A library caller's 2.5 blocks; the command line parses ints already.
+                raise InputError(f"{flag_of(f.name).option}: expected an integer, got {v!r}")
+            check_value(flag_of(f.name), v)
         if not isinstance(self.faults, tuple):
             raise InputError(f"--fault: expected a tuple of NAME=VALUE strings, got "
                              f"{self.faults!r}")
@@ -193,7 +206,8 @@ def check_value(flag: Flag, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InputError(f"{flag.option}: expected a number, got {value!r}")
     if isinstance(value, float) and not math.isfinite(value):
-        raise InputError(f"{flag.option}: must be a finite number, got {value}")
+        raise InputError(f"{flag.option}: must be a finite number, got {value} (the range is "
+                         f"{flag.bounds_text()})")
     too_low = flag.lo is not None and (value <= flag.lo if flag.lo_open else value < flag.lo)
     too_high = flag.hi is not None and value > flag.hi
     if too_low or too_high:
@@ -256,3 +270,160 @@ def to_argv(opts: RunOptions, *, redact: Any = None) -> list[str]:
             text = str(v)
             argv += [flag.option, redact(text) if redact is not None else text]
     return argv
+
+
+# The other commands' bounded options ------------------------------------------------------------
+
+#: The longest time span an option may name, in seconds: a year (as a trace's replay, whose
+#: timestamps past it are refused too). Seconds beyond it overflow int64 nanoseconds soon after.
+MAX_SPAN_S = 365 * 86400
+#: The largest token count `kvscope plan` sizes (prompts, prefixes, chunks, windows): 10^9, a
+#: thousand times the longest context windows; beyond it the arithmetic leaves float range.
+MAX_TOKENS = 1_000_000_000
+#: Layers a model may have in `kvscope plan` (the largest models have a few hundred).
+MAX_LAYERS = 10_000
+#: The smallest positive rate or fraction `kvscope plan` takes: a smaller one (a denormal such
+#: as 1e-320) makes its divisions infinite.
+MIN_POSITIVE = 1e-6
+#: Linux's PID_MAX_LIMIT: /proc/sys/kernel/pid_max cannot be raised past it.
+MAX_PID = 1 << 22
+#: Disk bound of the agent's run store: 1 EiB is more than any node holds.
+MAX_DISK_BYTES = 1 << 60
+
+
+def _plan(name: str, help: str, lo: float, hi: float, **kw: Any) -> Flag:
+    return Flag(name, help, lo=lo, hi=hi, **kw)
+
+
+#: Every bounded option of the other commands, by command and parameter name: the one place
+#: their numbers live. `option()` builds the typer declaration from an entry (the range shown in
+#: --help, checked before the command body runs); `check_value` checks one value against it.
+COMMAND_FLAGS: dict[str, dict[str, Flag]] = {
+    "analyze": {
+        "window_s": Flag("--window", "Seconds per window for TTFT over time (default: about "
+                         "ten windows).", lo=MIN_POSITIVE, hi=MAX_SPAN_S),
+    },
+    "compare": {
+        "tail": Flag("--tail", "Quantile of TTFT above which requests form the tail the "
+                     "verdict attributes.", lo=0, hi=0.99),
+        "level": Flag("--level", "Confidence level of the bootstrap intervals.", lo=0.5,
+                      hi=0.999),
+        "n_boot": Flag("--bootstrap", "Bootstrap replicates per confidence interval.", lo=100,
+                       hi=1_000_000),
+        "seed": Flag("--seed", "Bootstrap seed (same seed, same intervals).", lo=0,
+                     hi=MAX_SEED),
+    },
+    "timeline": {
+        # START and END each (the option's value is the text START:END).
+        "window": Flag("--window", "Keep only START:END seconds since the run's start; either "
+                       "side may be empty, each is in seconds", lo=0, hi=MAX_SPAN_S,
+                       metavar="START:END"),
+    },
+    "plan": {
+        "layers": _plan("--layers", "Transformer layers.", 1, MAX_LAYERS),
+        "kv_heads": _plan("--kv-heads", "KV heads (grouped-query attention).", 1, 65_536),
+        "head_dim": _plan("--head-dim", "Dimension of one head.", 1, 65_536),
+        "kv_lora_rank": _plan("--kv-lora-rank", "MLA (DeepSeek): compressed KV latent "
+                              "dimension cached per token per layer.", 1, 65_536),
+        "qk_rope_head_dim": _plan("--qk-rope-head-dim", "MLA: decoupled RoPE key dimension "
+                                  "cached beside the latent (0 if none).", 0, 65_536),
+        "sliding_window": _plan("--sliding-window", "Tokens a sliding-window layer keeps.", 1,
+                                MAX_TOKENS, metavar="TOKENS"),
+        "sliding_window_layers": _plan("--sliding-window-layers", "How many layers use the "
+                                       "sliding window (default: from config.json, else all).",
+                                       1, MAX_LAYERS, metavar="N"),
+        "tp": _plan("--tp", "Tensor-parallel ranks (default: 1).", 1, 65_536),
+        "prompt_tokens": _plan("--prompt-tokens", "Prompt length of one request.", 1,
+                               MAX_TOKENS),
+        "prefix_tokens": _plan("--prefix-tokens", "Reusable tokens per shared prefix (what a "
+                               "request loads instead of computing).", 1, MAX_TOKENS),
+        "hot_prefixes": _plan("--hot-prefixes", "Distinct prefixes kept (default: 1).", 1,
+                              MAX_TOKENS),
+        "replicas": _plan("--replicas", "Copies of each object in the pool (default: 1).", 1,
+                          1_000),
+        "payload_fraction": _plan("--payload-fraction", "Share of the physical pool that holds "
+                                  "payload (default: 1).", MIN_POSITIVE, 1),
+        "chunk_tokens": _plan("--chunk-tokens", "Tokens per stored chunk (one object per rank "
+                              "per chunk).", 1, MAX_TOKENS),
+        "request_rate": _plan("--request-rate", "Requests per second.", MIN_POSITIVE, 1e9),
+        "link_gbps": _plan("--link-gbps", "Link line rate in Gb/s (10^9 bits/s).", MIN_POSITIVE,
+                           1e6),
+        "link_efficiency": _plan("--link-efficiency", "Usable share of the line rate "
+                                 "(default: 1).", MIN_POSITIVE, 1),
+        "write_fraction": _plan("--write-fraction", "Share of requests that store their whole "
+                                "prompt's KV.", MIN_POSITIVE, 1),
+        "load_residence_ms": _plan("--load-residence-ms", "How long one load is in flight "
+                                   "(Little's law).", MIN_POSITIVE, MAX_SPAN_S * 1000),
+        "prefill_tokens_per_s": _plan("--prefill-tokens-per-s", "Recompute (prefill) "
+                                      "throughput in tokens/s.", MIN_POSITIVE, 1e12),
+        "load_latency_ms": _plan("--load-latency-ms", "Fixed latency of one load (default: 0). "
+                                 "Load bandwidth is the usable link budget.", 0,
+                                 MAX_SPAN_S * 1000),
+    },
+    "agent": {
+        # The lower bound (1 MiB) and the port and interval bounds are AgentConfig's.
+        "max_disk_bytes": Flag("--max-disk-bytes", "Disk bound of the run store: bytes, or "
+                               "with a binary suffix (512M, 2GiB); the oldest parts are deleted "
+                               "beyond it ('none' = unbounded).", hi=MAX_DISK_BYTES),
+        "watch_pid": Flag("--watch-pid", "Process to watch (RSS, CPU): PID or NAME=PID; a bare "
+                          "PID is named 'engine'. Repeatable. The PID is", lo=1,
+                          hi=MAX_PID),
+    },
+    "dashboard": {
+        "port": Flag("--port", "Port to serve on.", short="-p", lo=1, hi=65535),
+    },
+}
+
+
+def command_flag(command: str, param: str) -> Flag:
+    """The `Flag` of `kvscope <command>`'s parameter `param` (see `COMMAND_FLAGS`)."""
+    return COMMAND_FLAGS[command][param]
+
+
+def option(command: str, param: str, default: Any, *,
+           check: Callable[[Flag, Any], None] | None = None, **kw: Any) -> Any:
+    """The typer option of `COMMAND_FLAGS[command][param]`: its flags, its help with the range,
+    and a callback that refuses a value outside the range (`InputError` naming the flag) before
+    the command body runs, so nothing is read or written first.
+
+    Args:
+        command, param: the entry.
+        default: the option's default (None: not given).
+        check: checks one given value against the flag (default `check_value`; a text option
+            parses its numbers first); a repeatable option's values are checked one by one.
+        kw: more `typer.Option` arguments (rich_help_panel, ...).
+    """
+    import typer
+
+    flag = command_flag(command, param)
+    checker = check or check_value
+
+    def callback(value: Any) -> Any:
+        for v in value if isinstance(value, list | tuple) else (value,):
+            if v is not None:
+                checker(flag, v)
+        return value
+
+    decls = [flag.name, *([flag.short] if flag.short else [])]
+    return typer.Option(default, *decls, help=flag.full_help(), metavar=flag.metavar,
+                        callback=callback, **kw)
+
+
+def check_listen_address(flag: str, address: str) -> str:
+    """`address` if a server can be told to bind it: an IPv4 or IPv6 literal (0.0.0.0 and ::
+    open it to the network) or `localhost`. Host names are refused: what they resolve to is not
+    what the user sees, and a typo would only fail once the server starts.
+
+    Raises:
+        InputError: naming `flag` and the address.
+    """
+    import ipaddress
+
+    if address == "localhost":
+        return address
+    try:
+        ipaddress.ip_address(address)
+    except ValueError:
+        raise InputError(f"{flag} {address!r}: expected an IP address (127.0.0.1, 0.0.0.0, "
+                         "::1, ::) or localhost") from None
+    return address

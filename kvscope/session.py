@@ -163,7 +163,7 @@ def tier_config(opts: RunOptions) -> tuple[Any, Any]:
                              ) from None
     return TierConfig(host_blocks=opts.host_blocks, remote=opts.remote,
                       host_write=opts.host_write, faults=faults, resilience=resilience,
-                      remote_key=key), store
+                      remote_key=key, load_mode=opts.load_mode), store
 
 
 def _objects(store: Any) -> int | None:
@@ -324,7 +324,8 @@ def run_session(opts: RunOptions, *, on_start: Callable[[int, str | None], None]
         "engine": dataclasses.asdict(cfg),
         "tiers": {"device": {"block_size": cfg.cache.block_size,
                              "num_blocks": cfg.cache.num_blocks,
-                             "kv_bytes_per_block": engine.runner.kv_bytes_per_block},
+                             "kv_bytes_per_block": engine.runner.kv_bytes_per_block,
+                             "load_mode": tiers.load_mode},
                   "host": {"num_blocks": tiers.host_blocks, "write": tiers.host_write,
                            "blocks_at_start": (len(engine.flow.host) if engine.flow is not None
                                                and engine.flow.host is not None else 0)},

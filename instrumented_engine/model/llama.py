@@ -9,7 +9,7 @@ step across all requests.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -152,7 +152,8 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata,
+                layer_ready: Callable[[int], None] | None = None) -> torch.Tensor:
         """Hidden states of the flat batch.
 
         Args:
@@ -160,6 +161,8 @@ class LlamaModel(nn.Module):
             positions: (T,) absolute positions.
             kv_caches: per layer (k_cache, v_cache), each (num_blocks, block_size, nkv, hd).
             meta: the step's attention metadata.
+            layer_ready: called with each layer's index before that layer touches its KV
+                cache (layer-wise loading waits there for the layer's copy).
 
         Returns:
             (T, hidden) final hidden states (normalised).
@@ -167,7 +170,9 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)  # (T, H)
         cos = self.cos_table.index_select(0, positions)  # (T, hd)
         sin = self.sin_table.index_select(0, positions)
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if layer_ready is not None:
+                layer_ready(i)
             x = layer(x, cos, sin, kv, meta)
         return self.norm(x)
 

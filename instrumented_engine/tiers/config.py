@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from instrumented_engine.config import HOST_WRITES
+from instrumented_engine.config import HOST_WRITES, LOAD_MODES
 from instrumented_engine.tiers.faults import FaultSpec
 from instrumented_engine.tiers.format import ObjectKey
 from instrumented_engine.tiers.remote import ResilienceConfig
@@ -37,6 +37,9 @@ class TierConfig:
     faults: FaultSpec = field(default_factory=FaultSpec)
     prefetch_workers: int = 2
     remote_key: ObjectKey | None = None
+    #: ``layer``: each layer of the forward waits only for its own layer's copy (the copy
+    #: runs beside the forward); ``whole``: every layer is copied before the forward starts.
+    load_mode: str = "layer"
 
     def __post_init__(self) -> None:
         if not isinstance(self.host_blocks, int) or self.host_blocks < 0:
@@ -44,6 +47,9 @@ class TierConfig:
         if self.host_write not in HOST_WRITES:
             raise ValueError(f"tiers.host_write: expected one of {', '.join(HOST_WRITES)}, "
                              f"got {self.host_write!r}")
+        if self.load_mode not in LOAD_MODES:
+            raise ValueError(f"tiers.load_mode: expected one of {', '.join(LOAD_MODES)}, got "
+                             f"{self.load_mode!r}")
         for name in ("staging_blocks", "writeback_capacity", "prefetch_workers"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:

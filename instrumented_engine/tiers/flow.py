@@ -24,6 +24,7 @@ tier backends record from their worker threads.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -75,7 +76,10 @@ class TierFlow:
         self.writer = stack.writer
         self.prefetcher = stack.prefetcher
         self.offload = stack.offload
-        self.copier = H2DCopier(kv_caches, clock=clock)
+        self.copier = H2DCopier(kv_caches, clock=clock, mode=config.load_mode,
+                                nvtx=getattr(recorder, "nvtx", None))
+        #: (layer mode) the copies the running forward waits for, layer by layer.
+        self._forward_copies: list[tuple[Request, H2DCopy]] = []
         self._closed = False
 
     @property
@@ -224,13 +228,10 @@ class TierFlow:
         life.enter(req, H2D, t0)
         tid = plan.h2d_transfer = self._tid()
         life.waits_on(req, tid)
-        copy = self.copier.copy(plan.payloads, dest)
+        copy = self.copier.copy(plan.payloads, dest, request_num=req.request_num)
         t1 = copy.issue_end_ns
-        n = len(dest)
-        if self.rec is not None:
-            self.rec.activity("h2d", t0, t1, request_num=req.request_num, tier="host",
-                              tokens=n * self.bs, nbytes=n * self.layout.payload_bytes,
-                              transfer_id=tid)
+        if copy.done is None:  # else the copy worker's span, once it has run (`_copied`)
+            self._h2d_span(req.request_num, tid, copy.nblocks, t0, t1)
         life.enter(req, PREFILL, t1)
         if copy.pending:
             plan.copy = copy
@@ -239,7 +240,14 @@ class TierFlow:
         return tid
 
     def _copied(self, plan: TierPlan, copy: H2DCopy) -> None:
+        """The copy is over (waited for if it still ran): its per-layer times are final and
+        its staging slots go back."""
         assert self.staging is not None
+        worker = copy.done is not None
+        self.copier.finish(copy)
+        if worker:
+            self._h2d_span(copy.request_num, plan.h2d_transfer, copy.nblocks,
+                           copy.work_start_ns, copy.work_end_ns)
         for h in plan.views:
             self.staging.release(h)
         plan.views = []
@@ -247,6 +255,12 @@ class TierFlow:
         plan.layer_load_ns = copy.load_ns
         plan.layer_wait_ns = copy.wait_ns
         plan.copy = None
+
+    def _h2d_span(self, request_num: int, tid: int, n: int, t0: int, t1: int) -> None:
+        if self.rec is not None:
+            self.rec.activity("h2d", t0, t1, request_num=request_num, tier="host",
+                              tokens=n * self.bs, nbytes=n * self.layout.payload_bytes,
+                              transfer_id=tid)
 
     def _origin(self, plan: TierPlan, i: int) -> str:
         """The tier chain position `i`, copied at admission, came from: the remote when it lies
@@ -327,23 +341,47 @@ class TierFlow:
                                block=a)
 
     # ------------------------------------------------------------------ the step
-    def before_forward(self, reqs: list[Request]) -> None:
-        """(Engine, before the forward) the `sync` wait for copies still in flight."""
+    def before_forward(self, reqs: list[Request]) -> Callable[[int], None] | None:
+        """(Engine, before the forward) in ``whole`` mode, the `sync` wait for copies still in
+        flight; in ``layer`` mode, the hook the forward calls before each layer (None when no
+        copy of this batch is still running): each layer waits only for its own copies."""
         life = self.life
-        for req in reqs:
-            plan = req.tier
-            if plan is None or plan.copy is None:
-                continue
+        pending = [(req, req.tier.copy) for req in reqs
+                   if req.tier is not None and req.tier.copy is not None]
+        if not pending:
+            return None
+        if self.copier.layerwise:
+            self._forward_copies = pending
+            return self._layer_ready
+        for req, copy in pending:
             life.enter(req, SYNC)
-            life.waits_on(req, plan.h2d_transfer)
-            copy = plan.copy
+            life.waits_on(req, req.tier.h2d_transfer)
             self.copier.wait(copy)
-            self._copied(plan, copy)
+            self._copied(req.tier, copy)
             life.enter(req, PREFILL)
+        return None
+
+    def _layer_ready(self, layer: int) -> None:
+        """(In the forward, before `layer` touches the KV cache) wait for that layer of the
+        batch's running copies; a blocked wait is the request's `sync` state."""
+        life = self.life
+        for req, copy in self._forward_copies:
+            waited = self.copier.wait_layer(copy, layer)
+            if waited is not None:
+                t0, t1 = waited
+                life.enter(req, SYNC, t0)
+                life.waits_on(req, req.tier.h2d_transfer)
+                life.enter(req, PREFILL, t1)
 
     def after_step(self, reqs: list[Request], num_new: list[int]) -> None:
-        """(Engine, after the forward, before finished requests free their blocks) hand the
-        blocks the step completed to the write-behind."""
+        """(Engine, after the forward, before finished requests free their blocks) finish
+        the step's layer-wise copies (every layer was waited for) and hand the blocks the step
+        completed to the write-behind."""
+        if self._forward_copies:
+            for req, copy in self._forward_copies:
+                if req.tier is not None and req.tier.copy is copy:
+                    self._copied(req.tier, copy)
+            self._forward_copies = []
         writer = self.writer
         if writer is None:
             return
@@ -423,7 +461,6 @@ class TierFlow:
         if plan is None:
             return
         if plan.copy is not None:
-            self.copier.wait(plan.copy)
             self._copied(plan, plan.copy)
         if plan.reads:  # never admitted: its own reads are nobody's
             self._abandoned(req, [r.transfer_id for r in plan.reads
@@ -448,5 +485,6 @@ class TierFlow:
         self._record_stats()
         if self.prefetcher is not None:
             self.prefetcher.close()
+        self.copier.close()
         if self.remote is not None:
             self.remote.close()

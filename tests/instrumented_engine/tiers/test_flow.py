@@ -4,6 +4,7 @@ the partition and the accounting identity hold under every fault."""
 from __future__ import annotations
 
 import subprocess
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,8 +15,10 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.exporters.prometheus import PrometheusExporter
-from agent.schema import READ_ONLY_OUTCOMES, REMOTE_OP_OUTCOMES, REMOTE_OPS
+from agent.runstore.reader import to_pandas
+from agent.schema import READ_ONLY_OUTCOMES, REMOTE_OP_OUTCOMES, REMOTE_OPS, TABLES
 from agent.telemetry import Recorder, check_partition
+from analyzers.ttft import partition
 from instrumented_engine.engine import LLMEngine
 from instrumented_engine.tiers import BreakerConfig, ResilienceConfig, parse_faults
 from instrumented_engine.tiers.config import TierConfig
@@ -123,7 +126,14 @@ def test_host_tier_brings_evicted_device_blocks_back_via_h2d() -> None:
     assert h2d_act[0]["bytes"] == 4 * payload and h2d_act[0]["tokens"] == 64
     layers = [r for r in t["layers"].to_pylist() if r["request_id"] == rid]
     assert [r["loaded_tokens"] for r in layers] == [64, 64]
-    assert all(r["load_ns"] > 0 and r["wait_ns"] == r["load_ns"] for r in layers)
+    # Layer-wise loading (the default): each layer's own copy time; what the forward waited
+    # for each layer adds up to the request's sync state.
+    assert all(r["load_ns"] > 0 for r in layers)
+    sync = sum(s["end_ns"] - s["start_ns"] for s in spans
+               if s["kind"] == "state" and s["name"] == "sync" and s["request_id"] == rid)
+    assert sum(r["wait_ns"] for r in layers) == sync
+    # The copy's activity span is the worker's: from its first layer to its last.
+    assert h2d_act[0]["end_ns"] - h2d_act[0]["start_ns"] >= sum(r["load_ns"] for r in layers)
 
 
 def test_promised_host_blocks_evicted_before_admission_are_recomputed() -> None:
@@ -403,3 +413,43 @@ def test_failing_remote_lookups_reach_the_exposition_as_operations(
     proc = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
                           timeout=30, check=False)
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, b"", b"")
+
+
+def test_layerwise_load_each_layer_waits_for_its_own_copy() -> None:
+    """The copy worker is held before each layer until the forward blocks on that layer: the
+    loaded request's sync is > 0, every layer waited, the layers' waits differ and add up to
+    its sync exactly, and the partition stays exact; outputs match a cold engine's."""
+    rec = Recorder()
+    eng = LLMEngine(tiny_config(num_blocks=12), recorder=rec,
+                    tier_config=TierConfig(host_blocks=32))
+    prompt, _ = _evicting_sequence(eng)
+    assert eng.flow is not None and eng.flow.copier.layerwise
+    nlayers = len(eng.runner.kv_caches)
+    blocked = [threading.Event() for _ in range(nlayers)]
+    copier = eng.flow.copier
+    copier.before_layer = lambda copy, layer: blocked[layer].wait(30)
+    copier.on_block = lambda copy, layer: blocked[layer].set()
+    rec.drain()
+    out = eng.generate([prompt], max_tokens=3)[0]
+    eng.close()
+    cold = LLMEngine(tiny_config(prefix_caching=False)).generate([prompt], max_tokens=3)[0]
+    assert out.output_token_ids == cold.output_token_ids
+    assert out.accounting.host_loaded_tokens == 64
+    assert all(b.is_set() for b in blocked)  # the forward blocked on every layer
+    t = rec.drain()
+    assert check_partition(t["spans"], t["requests"]) == []
+    rid = out.request_id
+    spans = [s for s in t["spans"].to_pylist() if s["request_id"] == rid]
+    syncs = [s for s in spans if s["kind"] == "state" and s["name"] == "sync"]
+    assert len(syncs) == nlayers  # one sync state per layer it waited for
+    h2d = next(s for s in spans if s["kind"] == "activity" and s["name"] == "h2d")
+    assert all(s["waits_on"] == [h2d["transfer_id"]] for s in syncs)
+    sync = sum(s["end_ns"] - s["start_ns"] for s in syncs)
+    layers = sorted((r for r in t["layers"].to_pylist() if r["request_id"] == rid),
+                    key=lambda r: r["layer"])
+    waits = [r["wait_ns"] for r in layers]
+    assert sync > 0 and all(w > 0 for w in waits) and sum(waits) == sync
+    assert len(set(waits)) > 1
+    part = partition(to_pandas(t["requests"], TABLES["requests"]),
+                     to_pandas(t["spans"], TABLES["spans"])).set_index("request_id")
+    assert part.loc[rid, "sync_ns"] == sync
