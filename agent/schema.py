@@ -279,7 +279,8 @@ _M = "model"
 
 ENGINE_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvscope_build_info", "info", "", ("version", "schema_version", "python"),
-               "kvscope build information; the value is always 1.", group="meta"),
+               "kvscope build information, exported by `kvscope run` and `kvscope agent` "
+               "alike (tell them apart by scrape job); the value is always 1.", group="meta"),
     MetricSpec("kvscope_requests_total", "counter", "", (_M, "status"),
                "Finished requests by final status (ok, error, aborted)."),
     MetricSpec("kvscope_request_ttft_seconds", "histogram", "seconds", (_M,),

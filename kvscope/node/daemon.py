@@ -11,17 +11,21 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import platform
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import InfoMetricFamily, Metric
 
 from agent.errors import InputError
 from agent.exporters.http import MetricsServer
 from agent.runstore.writer import RunStoreWriter, check_resumable
+from agent.schema import METRICS_BY_NAME, SCHEMA_VERSION
 from collectors.base import BaseCollector, Collection
 from collectors.exposition import CONTENT_TYPE, CollectorExposition, TextRenderer
 from collectors.runner import CollectorRunner, default_collectors
@@ -31,6 +35,24 @@ from kvscope.node.store import StoreSink
 log = logging.getLogger(__name__)
 #: run.json `config.producer` of an agent's run store (a restart resumes only its own).
 PRODUCER = "kvscope agent"
+
+
+class BuildInfoCollector:
+    """`kvscope_build_info` of the agent: the engine's labels (agent.exporters.prometheus),
+    built here so the agent does not import the engine exporter. Which kind of target a
+    series comes from is its scrape job's business (no role label)."""
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        from agent import __version__
+
+        spec = METRICS_BY_NAME["kvscope_build_info"]
+        fam = InfoMetricFamily(spec.family, spec.help)
+        fam.add_metric([], {"version": __version__, "schema_version": str(SCHEMA_VERSION),
+                            "python": platform.python_version()})
+        yield fam
 
 
 class NodeAgent:
@@ -57,9 +79,15 @@ class NodeAgent:
         self.runner = CollectorRunner(collectors, config.interval_s, on_samples=self._on_samples)
         # The registry is the reference exposition (and what embedding code registers);
         # /metrics serves the renderer's identical bytes at a fraction of the CPU.
+        # kvscope_build_info comes first, as the engine's does: the Grafana `instance`
+        # variable lists both kinds of target from it.
         self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(BuildInfoCollector())
         self.registry.register(CollectorExposition(self.runner))
         self.renderer = TextRenderer()
+        build_info = CollectorRegistry(auto_describe=False)
+        build_info.register(BuildInfoCollector())
+        self._build_info = generate_latest(build_info)  # constant for the process's life
         self.httpd: MetricsServer | None = None
         self.meter_provider: Any = None
         self._stop = threading.Event()
@@ -136,7 +164,7 @@ class NodeAgent:
 
     def render(self) -> bytes:
         """The /metrics body now."""
-        return self.renderer.render(self.runner.readings())
+        return self._build_info + self.renderer.render(self.runner.readings())
 
     def request_stop(self, *_: Any) -> None:
         """Ask `serve_forever` to return (signal-handler safe)."""

@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from agent.schema import catalogued_series
+from agent.schema import METRICS, METRICS_BY_NAME, catalogued_series
 from analyzers.rules_check import load_rules, metric_names
 from dashboard.grafana import build
 from tests.conftest import REPO, require_binary
@@ -82,7 +82,7 @@ def test_structure_is_importable() -> None:
 def test_every_query_parses_with_promtool(tmp_path: Path) -> None:
     """Each panel query, variables substituted, is a valid recording rule for promtool."""
     exprs = [_substitute(e) for e in _queries(_load())]
-    assert len(exprs) == 28
+    assert len(exprs) == 30
     rules = {"groups": [{"name": "grafana-panels", "rules": [
         {"record": f"grafana:panel_query_{i}:expr", "expr": e} for i, e in enumerate(exprs)]}]}
     path = tmp_path / "panels.yaml"
@@ -126,5 +126,70 @@ def test_dashboard_shows_every_alerted_signal() -> None:
         return out
 
     alerted = set().union(*(raw(r.expr) for r in rules.values() if r.kind == "alert"))
-    shown = set().union(*(metric_names(_substitute(e)) for e in _queries(_load())))
+    dash = _load()
+    shown = set().union(*(metric_names(_substitute(e)) for e in _queries(dash)))
+    # kvscope_build_info (the storm alert's age guard) is what the `instance` variable lists.
+    shown |= set().union(*(metric_names(v["query"]["query"]) for v in dash["templating"]["list"]
+                           if v["type"] == "query"))
     assert alerted - shown == set()
+
+
+def test_panels_do_not_overlap() -> None:
+    cells: dict[tuple[int, int], str] = {}
+    for p in _load()["panels"]:
+        g = p["gridPos"]
+        for x in range(g["x"], g["x"] + g["w"]):
+            for y in range(g["y"], g["y"] + g["h"]):
+                assert (x, y) not in cells, (p["title"], cells.get((x, y)))
+                cells[(x, y)] = p["title"]
+
+
+def test_every_panel_has_one_unit_and_a_description() -> None:
+    for p in _load()["panels"]:
+        if p["type"] == "row":
+            continue
+        assert p["fieldConfig"]["defaults"]["unit"], p["title"]
+        assert p["fieldConfig"]["overrides"] == [], p["title"]  # no per-series unit
+        assert len(p["description"]) > 30, p["title"]
+        for t in p["targets"]:
+            assert "vector(" not in t["expr"], (p["title"], t["expr"])  # no padding
+
+
+def test_shares_and_rates_have_panels_of_their_own() -> None:
+    """A 0-1 share never shares an axis with tokens/s; transfer p99s are one kind each."""
+    panels = {p["id"]: p for p in _load()["panels"]}
+    share = panels[7]
+    assert share["fieldConfig"]["defaults"]["unit"] == "percentunit"
+    assert len(share["targets"]) == 1
+    assert panels[21]["fieldConfig"]["defaults"]["unit"] == build.TOKENS_PS
+    transfer = [p for p in panels.values() if "kvscope_kv_transfer_seconds"
+                in " ".join(t["expr"] for t in p.get("targets", []))]
+    assert {p["id"] for p in transfer} == {11, 22, 23}
+    filters = {build.READS, build.LOOKUPS, build.WRITES}
+    for p in transfer:
+        (t,) = p["targets"]
+        assert sum(f in t["expr"] for f in filters) == 1, p["title"]
+    # Every transfer name of a run falls in exactly one of the three filters.
+    for name in ("lookup", "remote_lookup", "remote_read", "remote_write", "h2d"):
+        hits = [f for f in filters if re.fullmatch(_regex(f), name) is not None]
+        assert len(hits) == 1, (name, hits)
+
+
+def _regex(f: str) -> str:
+    """A PromQL name matcher as a Python full-match regex (`!~` negated)."""
+    m = re.fullmatch(r'name(=~|!~)"(.*)"', f)
+    assert m
+    return m.group(2) if m.group(1) == "=~" else f"(?!(?:{m.group(2)})$).*"
+
+
+def test_agent_panels_say_which_job_to_scrape() -> None:
+    """Panels on node-agent metrics are empty with only engines scraped: each says so."""
+    collector = {m.name for m in METRICS if m.group in ("collector", "agent")}
+    for p in _load()["panels"]:
+        if p["type"] == "row":
+            continue
+        names = set().union(*(metric_names(_substitute(t["expr"])) for t in p["targets"]))
+        if names & {s for n in collector for s in METRICS_BY_NAME[n].series_names}:
+            assert "kvscope agent" in p["description"], p["title"]
+            for n in names:
+                assert n.removesuffix("_bucket") in p["description"], (p["title"], n)

@@ -181,12 +181,16 @@ def test_remote_failure_alert_fires_on_a_live_run(tmp_path: Path) -> None:
             f"{(tmp_path / 'faulty.log').read_text()[-2000:]}")
         assert states == ["pending", "firing"]  # held for `for:` before firing
         (alert,) = alerts
-        assert alert["labels"] == {"alertname": ALERT, "model": MODEL, "severity": "warning"}
+        # Alerts are per engine: the instance and job of the faulty run ride along.
+        assert alert["labels"] == {"alertname": ALERT, "model": MODEL, "severity": "warning",
+                                   "instance": f"127.0.0.1:{faulty_port}", "job": "kvscope"}
         ratio = float(alert["value"])
         assert 0.05 < ratio < 1.0
-        assert alert["annotations"]["summary"] == f"Remote KV reads failing for {MODEL}"
+        assert alert["annotations"]["summary"] == (
+            f"Remote KV reads failing for {MODEL} on 127.0.0.1:{faulty_port}")
         # The description's templated numerator and denominator read the recording rules back.
-        failed = _query(base, "model:kvscope_remote_load_failed_tokens:rate5m")
+        failed = _query(base, "model:kvscope_remote_load_failed_tokens:rate5m"
+                              f'{{instance="127.0.0.1:{faulty_port}"}}')
         assert failed is not None and failed > 0
         assert "remote-hit tokens/s (" in alert["annotations"]["description"]
 
