@@ -99,6 +99,11 @@ def test_every_column_agrees_on_healthy_warm_fault_preemption_and_tenant_runs(
     warm = _assert_run_is_right(_run(tmp_path / "warm", num_requests=16, rate=0, **tiers),
                                 "warm")
     assert warm["remote_loaded_tokens"].sum() > 0 and warm["remote_read_bytes"].sum() > 0
+    # The same warm remote with every layer copied before the forward (the default copies
+    # layer by layer beside it): the columns agree either way.
+    whole = _assert_run_is_right(_run(tmp_path / "warm-whole", num_requests=16, rate=0,
+                                      load_mode="whole", **tiers), "warm, whole loads")
+    assert whole["remote_loaded_tokens"].sum() > 0
     assert warm["remote_hit_tokens"].sum() >= warm["remote_loaded_tokens"].sum() - \
         warm["remote_found_tokens"].sum()
 
