@@ -3,7 +3,9 @@
 Each field carries its flag, help and bounds (`opt(...)`); `kvscope.commands.run` builds the
 typer command from these fields, and `RunOptions.__post_init__` checks every bound with a
 message that names the flag, so a value the command accepts is one the session can run, and a
-library caller (`run_session(RunOptions(...))`) gets the same checks.
+library caller (`run_session(RunOptions(...))`) gets the same checks. The other commands'
+bounded options are in `COMMAND_FLAGS` (built into typer options by `option()`), so every bound
+of every command lives in this module and is shown in its --help.
 
 Light at import time (stdlib and the engine's plain config module): the CLI imports this
 module to build `--help`.
@@ -130,7 +132,8 @@ class RunOptions:
                             "Serve /metrics on this port while running; 0 = off.", lo=0,
                             hi=65535)
     listen_address: str = opt("127.0.0.1", "--listen-address",
-                              "Address /metrics binds (0.0.0.0 opens it).")
+                              "Address /metrics binds: an IP address or localhost (0.0.0.0 "
+                              "or :: opens it).")
     metrics_linger: float = opt(0.0, "--metrics-linger", "Seconds to keep serving the final "
                                 "/metrics after the run, so a last scrape sees the final "
                                 "counters.", lo=0, hi=3600)
@@ -178,6 +181,7 @@ class RunOptions:
                 # A library caller's 2.5 blocks; the command line parses ints already.
                 raise InputError(f"{flag_of(f.name).option}: expected an integer, got {v!r}")
             check_value(flag_of(f.name), v)
+        check_listen_address("--listen-address", self.listen_address)
         if not isinstance(self.faults, tuple):
             raise InputError(f"--fault: expected a tuple of NAME=VALUE strings, got "
                              f"{self.faults!r}")
@@ -407,6 +411,11 @@ def option(command: str, param: str, default: Any, *,
     decls = [flag.name, *([flag.short] if flag.short else [])]
     return typer.Option(default, *decls, help=flag.full_help(), metavar=flag.metavar,
                         callback=callback, **kw)
+
+
+def listen_address_callback(value: str) -> str:
+    """A typer callback: `check_listen_address` of a `--listen-address` option."""
+    return check_listen_address("--listen-address", value)
 
 
 def check_listen_address(flag: str, address: str) -> str:

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import math
 import os
+import re
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -205,14 +206,282 @@ def remote_key(opts: RunOptions) -> Any:
     return None
 
 
+_CUDA_RE = re.compile(r"^cuda(?::(\d+))?$")
+
+
 def _check_device(opts: RunOptions) -> None:
     if opts.device != "cpu":
         import torch
 
-        if not opts.device.startswith("cuda"):
+        m = _CUDA_RE.match(opts.device)
+        if m is None:
             raise InputError(f"--device: expected cpu or cuda[:N], got {opts.device!r}")
         if not torch.cuda.is_available():
             raise InputError(f"--device {opts.device}: CUDA is not available on this machine")
+        count = torch.cuda.device_count()
+        if m.group(1) is not None and int(m.group(1)) >= count:
+            raise InputError(f"--device {opts.device}: this machine has {count} CUDA "
+                             f"device{'s' if count != 1 else ''} (cuda:0 to cuda:{count - 1})")
+
+
+# Up-front resource checks -------------------------------------------------------------------
+# What a run will allocate, computed from its options before anything is allocated or written,
+# against the memory there is: a size the machine cannot hold is refused in one line naming the
+# option, the need and what is available (instead of a MemoryError, an OOM kill or a CUDA
+# out-of-memory halfway through writing the run directory).
+
+#: One reference in a Python list: what a prompt token costs each list holding it.
+_REF_BYTES = 8
+#: A token id's int object (CPython shares only ids up to 256): what each token the workload
+#: draws costs once, however many prompts share it.
+_INT_BYTES = 32
+#: Lists holding each prompt besides the workload's own: the engine request's token list and
+#: the finished request's `RequestOutput.prompt_token_ids`.
+_ENGINE_COPIES = 2
+
+
+@dataclass(slots=True, frozen=True)
+class MemoryNeed:
+    """Memory one part of a run takes.
+
+    Attributes:
+        what: the part (`the device KV pool`).
+        flags: the options that size it, as typed (`--num-blocks 4,194,304`).
+        bytes: how much it takes.
+        detail: how that follows from the options (`4,194,304 blocks × 16.0 KiB`).
+        where: `host` (this machine's memory) or the CUDA device (`cuda:0`).
+    """
+
+    what: str
+    flags: str
+    bytes: int
+    detail: str
+    where: str = "host"
+
+
+def size_text(n: float) -> str:
+    """Bytes in binary units: 16.0 KiB, 21.3 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            return f"{n:,.0f} B" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def run_dtype(opts: RunOptions) -> str:
+    """The KV and weight dtype of a run: --dtype, else float32 on cpu and bfloat16 on cuda."""
+    return opts.dtype or ("bfloat16" if opts.device.startswith("cuda") else "float32")
+
+
+def _element_bytes(dtype: str) -> int:
+    import torch
+
+    return torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+
+
+def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: str) -> int:
+    """Bytes of one KV block over all layers, as `ModelRunner` allocates it (and the host tier
+    and remote objects hold it): K and V × layers × block size × KV heads × head dim × the
+    element size."""
+    return (2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim
+            * _element_bytes(dtype))
+
+
+def weight_bytes(model: ModelConfig, dtype: str) -> int:
+    """Bytes of a Llama-style model's weights: embeddings (and the LM head unless tied), per
+    layer the attention projections, the SwiGLU MLP and two norms, and the final norm."""
+    h, q, kv = model.hidden_size, model.num_heads * model.head_dim, (
+        model.num_kv_heads * model.head_dim)
+    layer = 2 * h * q + 2 * h * kv + 3 * h * model.intermediate_size + 2 * h
+    embed = model.vocab_size * h * (1 if model.tie_word_embeddings else 2)
+    return (embed + model.num_layers * layer + h) * _element_bytes(dtype)
+
+
+def _model_config(opts: RunOptions) -> ModelConfig | None:
+    """The model's shape without loading it (None for a --model that `_load_model` refuses)."""
+    if opts.model in MODEL_PRESETS:
+        return ModelConfig.preset(opts.model, seed=opts.seed)
+    if not Path(opts.model).is_dir():
+        return None
+    from instrumented_engine.model.loader import read_hf_config
+
+    return read_hf_config(opts.model)
+
+
+def _mean(lo_hi: tuple[int, int]) -> float:
+    """The mean of a uniform draw from the inclusive range `lo_hi`."""
+    return (lo_hi[0] + lo_hi[1]) / 2
+
+
+def workload_need(opts: RunOptions) -> MemoryNeed | None:
+    """The memory the workload's token lists take (None for a workload `build_workload`
+    refuses): every prompt in the arrival list, the engine's copy and the finished request's,
+    8 bytes a token each, plus the distinct token ids drawn. docqa and chat draw their lengths
+    from ranges: over many requests (where the need matters) the totals are the means'."""
+    n, prefix = opts.num_requests, opts.tenant_prefix_tokens
+    flags = f"--num-requests {n:,}" + (f" --tenant-prefix-tokens {prefix:,}" if prefix else "")
+    shared = prefix / opts.tenants  # the first tenant's prompts carry the prefix
+    if opts.workload == "docqa":
+        from instrumented_engine.workloads import DocQAConfig
+
+        d = DocQAConfig()
+        per = d.system_tokens + _mean(d.doc_tokens) + _mean(d.question_tokens) + shared
+        built = kept = n * per
+        distinct = (d.system_tokens + d.num_docs * d.doc_tokens[1] + prefix
+                    + n * _mean(d.question_tokens))
+        detail = f"{n:,} requests × {per:,.0f} prompt tokens on average"
+    elif opts.workload == "chat":
+        from instrumented_engine.workloads import ChatConfig
+
+        c = ChatConfig()
+        s, u, r = c.system_tokens, _mean(c.user_tokens), _mean(c.reply_tokens)
+        turns = range(c.turns[0], c.turns[1] + 1)
+        t = _mean(c.turns)
+        # Each request's conversation is built whole, every turn's prompt (system, the turns
+        # so far and the new user turn) its own list, before the first n turns are kept.
+        conv = sum(k * s + k * (k + 1) / 2 * u + k * (k - 1) / 2 * r for k in turns) / len(turns)
+        per = s + (t + 1) / 2 * u + (t - 1) / 2 * r + shared
+        built, kept = n * (conv + shared), n * per
+        distinct = s + n * t * (u + r) + prefix
+        detail = (f"{n:,} requests × {per:,.0f} prompt tokens on average, conversations of "
+                  f"{conv:,.0f} tokens built")
+    elif opts.workload.startswith("trace:"):
+        return _trace_need(opts)
+    else:
+        return None
+    need = _REF_BYTES * (built + _ENGINE_COPIES * kept) + _INT_BYTES * distinct
+    return MemoryNeed("the workload", flags, int(need), detail)
+
+
+def _trace_need(opts: RunOptions) -> MemoryNeed | None:
+    """`workload_need` of a trace: its first --num-requests lines read once, lengths only
+    (None when `trace()` will refuse the file, a line or --scale: it says why)."""
+    from instrumented_engine.workloads.trace import (
+        TRACE_BLOCK_TOKENS,
+        _lines,
+        _parse,
+        tokens_per_trace_block,
+    )
+
+    path = Path(opts.workload[len("trace:"):])
+    scale = opts.scale if opts.scale is not None else opts.block_size / TRACE_BLOCK_TOKENS
+    try:
+        if not path.is_file():
+            return None
+        tpb = tokens_per_trace_block(scale, opts.block_size)
+        lines = kept = 0
+        ids: set[int] = set()
+        for _, line in _lines(path):
+            if lines >= opts.num_requests:
+                break
+            if not line.strip():
+                continue
+            _, _, _, hash_ids = _parse(line, str(path))
+            lines += 1
+            kept += len(hash_ids) * tpb
+            ids.update(hash_ids)
+    except (InputError, OSError):
+        return None
+    flags = f"--workload {opts.workload}" + (f" --scale {scale:g}" if opts.scale else "")
+    need = (_REF_BYTES * (1 + _ENGINE_COPIES) * kept
+            + (_REF_BYTES + _INT_BYTES) * len(ids) * tpb)
+    detail = (f"{lines:,} requests, up to {kept:,} prompt tokens at {tpb:,} tokens per "
+              "512-token trace block")
+    return MemoryNeed("the trace workload", flags, need, detail)
+
+
+def memory_needs(opts: RunOptions, model: ModelConfig) -> list[MemoryNeed]:
+    """What a run with `opts` allocates that grows with its options: the device KV pool, the
+    host tier, the model's weights and the workload's prompts."""
+    dtype = run_dtype(opts)
+    dev = "host" if opts.device == "cpu" else opts.device
+    kvb = kv_bytes_per_block(model, opts.block_size, dtype)
+    needs = [MemoryNeed("the device KV pool", f"--num-blocks {opts.num_blocks:,}",
+                        opts.num_blocks * kvb,
+                        f"{opts.num_blocks:,} blocks × {size_text(kvb)}", dev),
+             MemoryNeed("the model's weights", f"--model {opts.model}",
+                        weight_bytes(model, dtype), f"{model.model_id} in {dtype}", dev)]
+    if opts.host_blocks:
+        needs.append(MemoryNeed("the host KV tier", f"--host-blocks {opts.host_blocks:,}",
+                                opts.host_blocks * kvb,
+                                f"{opts.host_blocks:,} blocks × {size_text(kvb)}"))
+    w = workload_need(opts)
+    if w is not None:
+        needs.append(w)
+    return needs
+
+
+def available_memory(where: str) -> int | None:
+    """Bytes that can still be allocated: on `host`, MemAvailable (psutil) capped by this
+    process's cgroup limit; on a CUDA device, its free memory (None when unknown)."""
+    if where != "host":
+        import torch
+
+        free, _total = torch.cuda.mem_get_info(torch.device(where))
+        return int(free)
+    avail: int | None
+    try:
+        import psutil
+
+        avail = int(psutil.virtual_memory().available)
+    except Exception:  # no psutil, or no /proc: nothing to check against
+        avail = None
+    cg = _cgroup_free()
+    if cg is not None:
+        avail = cg if avail is None else min(avail, cg)
+    return avail
+
+
+def _cgroup_free() -> int | None:
+    """This process's cgroup memory limit less its usage (v2, then v1); None when unlimited."""
+    root = Path("/sys/fs/cgroup")
+    for limit, usage in (("memory.max", "memory.current"),
+                         ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            text = (root / limit).read_text().strip()
+            if text == "max" or int(text) >= 1 << 60:  # v1 writes "unlimited" as ~2^63
+                return None
+            return max(0, int(text) - int((root / usage).read_text().strip()))
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def check_resources(opts: RunOptions, model: ModelConfig | None = None, *,
+                    available: Callable[[str], int | None] | None = None) -> None:
+    """Refuse a run whose sizes the machine cannot hold, before anything is allocated or
+    written: each part against the memory where it lives, then their sum.
+
+    Args:
+        opts: the options.
+        model: the model's shape (default: the preset's, or the checkpoint's config.json).
+        available: bytes free where a part lives (`host` or `cuda:N`; default
+            `available_memory`); a None answer skips that place.
+
+    Raises:
+        InputError: naming the options, the computed need and what is available.
+    """
+    model = model if model is not None else _model_config(opts)
+    if model is None:
+        return
+    needs = memory_needs(opts, model)
+    free_at = available or available_memory
+    for where in dict.fromkeys(n.where for n in needs):
+        free = free_at(where)
+        if free is None:
+            continue
+        here = [n for n in needs if n.where == where]
+        left = (f"{size_text(free)} available" if where == "host"
+                else f"{size_text(free)} free on {where}")
+        for n in here:
+            if n.bytes > free:
+                raise InputError(f"{n.flags}: {n.what} needs {size_text(n.bytes)} "
+                                 f"({n.detail}), {left}")
+        total = sum(n.bytes for n in here)
+        if total > free:
+            parts = ", ".join(f"{n.what} {size_text(n.bytes)} ({n.flags})" for n in here)
+            raise InputError(f"{' '.join(n.flags for n in here)}: together the run needs "
+                             f"{size_text(total)} ({parts}), {left}")
 
 
 def _load_model(opts: RunOptions) -> Any:
@@ -269,6 +538,7 @@ def run_session(opts: RunOptions, *, on_start: Callable[[int, str | None], None]
         InputError: a bad option, workload file or checkpoint (one line, naming it).
     """
     _check_device(opts)
+    check_resources(opts)  # before anything is allocated, opened or written
     if opts.out is None:
         opts = dataclasses.replace(opts, out=default_out(opts.workload))
     assert opts.out is not None

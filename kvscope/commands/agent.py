@@ -13,6 +13,13 @@ import typer
 
 from agent.errors import InputError
 from kvscope.node.config import DEFAULT_PORT
+from kvscope.run_options import (
+    Flag,
+    check_value,
+    command_flag,
+    listen_address_callback,
+    option,
+)
 
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -34,7 +41,23 @@ def parse_size(text: str) -> int | None:
         raise InputError(f"--max-disk-bytes: expected bytes like 1073741824, 512M or 2GiB, "
                          f"got {text!r}")
     unit = (m.group(2) or "").upper()[:1]
-    return int(m.group(1)) * _SIZE_UNITS[unit]
+    size = int(m.group(1)) * _SIZE_UNITS[unit]
+    check_value(command_flag("agent", "max_disk_bytes"), size)
+    return size
+
+
+def _check_size(flag: Flag, text: str) -> None:
+    parse_size(text)
+
+
+def _check_pid(flag: Flag, spec: str) -> None:
+    """The PID of a `--watch-pid` spec within the flag's range (other mistakes are
+    `parse_watch`'s to report)."""
+    try:
+        pid = int(spec.rpartition("=")[2])
+    except ValueError:
+        return
+    check_value(flag, pid)
 
 
 def agent(
@@ -42,14 +65,14 @@ def agent(
                              help="TCP port of /metrics (not 9100/9400: node_exporter's and "
                                   "dcgm-exporter's)."),
     listen_address: str = typer.Option("127.0.0.1", "--listen-address",
-                                       help="Address to bind; open it deliberately (e.g. "
-                                            "0.0.0.0) for a fleet Prometheus."),
+                                       callback=listen_address_callback,
+                                       help="Address to bind: an IP address or localhost; "
+                                            "open it deliberately (e.g. 0.0.0.0) for a fleet "
+                                            "Prometheus."),
     interval: float = typer.Option(1.0, "--interval", "-i", help="Seconds between collections."),
     out: Path | None = typer.Option(None, "--out", "-o",
                                     help="Run-store directory for samples and events."),
-    max_disk_bytes: str = typer.Option("1GiB", "--max-disk-bytes",
-                                       help="Disk bound of the run store; the oldest parts "
-                                            "are deleted beyond it ('none' = unbounded)."),
+    max_disk_bytes: str = option("agent", "max_disk_bytes", "1GiB", check=_check_size),
     flush_interval: float = typer.Option(5.0, "--flush-interval",
                                          help="Seconds between run-store parts: what a crash "
                                               "can lose at most."),
@@ -62,9 +85,7 @@ def agent(
                                       help="Network interfaces to collect (glob, repeatable)."),
     exclude: list[str] = typer.Option([], "--exclude",
                                       help="Network interfaces to skip (glob, repeatable)."),
-    watch_pid: list[str] = typer.Option([], "--watch-pid",
-                                        help="Process to watch (RSS, CPU): PID or NAME=PID; "
-                                             "a bare PID is named 'engine'. Repeatable."),
+    watch_pid: list[str] = option("agent", "watch_pid", [], check=_check_pid),
     disable: list[str] = typer.Option([], "--disable",
                                       help="Collector to leave out: nvml, nic, rdma, host."),
     sys_root: str = typer.Option("/sys", "--sys-root", help="Where sysfs is mounted."),

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import typer
 
+from kvscope.run_options import option
+
 FORMATS = ("text", "markdown", "json")
 GROUPS = ("tenant", "workload_class", "hit_class")
 
@@ -22,9 +24,7 @@ def analyze(
     by: str | None = typer.Option(None, "--by",
                                   help="Split the TTFT table by tenant, workload_class or "
                                        "hit_class."),
-    window_s: float | None = typer.Option(None, "--window", min=0.000001,
-                                          help="Seconds per window for TTFT over time "
-                                               "(default: about ten windows)."),
+    window_s: float | None = option("analyze", "window_s", None),
     output: Path | None = typer.Option(None, "--output", "-o",
                                        help="Write the report to this file instead of stdout."),
 ) -> None:

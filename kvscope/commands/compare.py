@@ -9,6 +9,8 @@ from pathlib import Path
 
 import typer
 
+from kvscope.run_options import option
+
 FORMATS = ("text", "markdown", "json")
 
 
@@ -16,17 +18,16 @@ def compare(
     run_a: Path = typer.Argument(..., help="The baseline run directory (A)."),
     run_b: Path = typer.Argument(..., help="The run to compare against it (B)."),
     fmt: str = typer.Option("text", "--format", "-f", help="Output: text, markdown or json."),
-    tail: float = typer.Option(0.9, "--tail", min=0.0, max=0.99,
-                               help="Quantile of TTFT above which requests form the tail the "
-                                    "verdict attributes."),
-    n_boot: int = typer.Option(2000, "--bootstrap", min=100,
-                               help="Bootstrap replicates per confidence interval."),
-    seed: int = typer.Option(0, "--seed", help="Bootstrap seed (same seed, same intervals)."),
+    tail: float = option("compare", "tail", 0.9),
+    level: float = option("compare", "level", 0.95),
+    n_boot: int = option("compare", "n_boot", 2000),
+    seed: int = option("compare", "seed", 0),
 ) -> None:
     """Compare run B against baseline A: which TTFT stage moved, and by how much.
 
-    Per-stage p50/p99 changes with 95 % bootstrap intervals, accounting changes,
-    and a verdict naming the stage that moved most. --format json is a stable layout.
+    Per-stage p50/p99 changes with bootstrap intervals (95 % unless --level),
+    accounting changes, and a verdict naming the stage that moved most. --format json is a
+    stable layout.
     Both runs get the checks `kvscope analyze` runs: problems are noted on stderr.
     """
     from agent.errors import InputError
@@ -43,7 +44,8 @@ def compare(
     for p, s in zip((run_a, run_b), stores, strict=True):
         if not len(s.requests):
             raise InputError(f"{p / 'requests'}: no requests recorded (nothing to compare)")
-    result = compare_runs(stores[0], stores[1], n_boot=n_boot, tail=tail, seed=seed)
+    result = compare_runs(stores[0], stores[1], n_boot=n_boot, level=level, tail=tail,
+                          seed=seed)
     typer.echo(render_comparison(result, fmt), nl=False)
     # The checks analyze runs, on both runs: a comparison of a broken run says so.
     for label, p, s in zip("AB", (run_a, run_b), stores, strict=True):

@@ -8,8 +8,11 @@ from pathlib import Path
 
 import typer
 
+from kvscope.run_options import check_listen_address, command_flag
+
 #: Streamlit's own default port.
 DEFAULT_PORT = 8501
+_PORT = command_flag("dashboard", "port")
 
 
 def streamlit_argv(runs: list[Path], *, port: int, address: str) -> list[str]:
@@ -41,23 +44,26 @@ def dashboard(
     runs: list[Path] = typer.Argument(
         ..., metavar="RUN",
         help="Run directories or trace files (two or more add the Compare page)."),
-    port: int = typer.Option(DEFAULT_PORT, "--port", "-p", help="Port to serve on."),
+    port: int = typer.Option(DEFAULT_PORT, "--port", "-p", help=_PORT.full_help()),
     listen_address: str = typer.Option(
         "127.0.0.1", "--listen-address",
-        help="Address to bind; 0.0.0.0 opens the dashboard to the network deliberately."),
+        help="Address to bind: an IP address or localhost; 0.0.0.0 (or ::) opens the dashboard "
+             "to the network deliberately."),
 ) -> None:
     """Serve the dashboard (Overview, Requests, KV cache, Hardware, Compare) until Ctrl-C."""
     from agent.errors import InputError
 
+    check_listen_address("--listen-address", listen_address)
+    if not _PORT.lo <= port <= _PORT.hi:  # type: ignore[operator]
+        raise InputError(f"--port: must be in {_PORT.lo}..{_PORT.hi}, got {port}")
     for r in runs:
         if not r.exists():
             raise InputError(f"{r}: no such run directory or file")
         if r.is_dir() and not (r / "run.json").exists():
             raise InputError(f"{r}: not a run directory (no run.json)")
-    if not 1 <= port <= 65535:
-        raise InputError(f"--port: must be in 1..65535, got {port}")
     argv = streamlit_argv(runs, port=port, address=listen_address)
-    typer.echo(f"kvscope dashboard: http://{listen_address}:{port}", err=True)
+    host = f"[{listen_address}]" if ":" in listen_address else listen_address
+    typer.echo(f"kvscope dashboard: http://{host}:{port}", err=True)
     sys.stdout.flush()
     # exec, not a child: Ctrl-C and a supervisor's SIGTERM reach Streamlit directly.
     os.execv(argv[0], argv)

@@ -10,10 +10,19 @@ from typing import Any
 
 import typer
 
+from kvscope.run_options import option
+
 _MODEL = "Model (flags override --model-config)"
 _POOL = "Request and shared-prefix pool"
 _BW = "Bandwidth"
 _BE = "Load vs recompute"
+
+
+def _opt(name: str, panel: str) -> Any:
+    """A bounded plan option (`kvscope.run_options.COMMAND_FLAGS["plan"]`), not given by
+    default."""
+    return option("plan", name, None, rich_help_panel=panel)
+
 
 UNITS_LINE = ("units: KiB, MiB, GiB = 2^10, 2^20, 2^30 bytes (binary, for memory); "
               "GB = 10^9 bytes and Gb/s = 10^9 bits/s (decimal, for links)")
@@ -23,67 +32,33 @@ def plan(
     model_config: str | None = typer.Option(
         None, "--model-config", metavar="PATH", rich_help_panel=_MODEL,
         help="Hugging Face config.json (or its directory) to read the KV shape from."),
-    layers: int | None = typer.Option(None, "--layers", rich_help_panel=_MODEL,
-                                      help="Transformer layers."),
-    kv_heads: int | None = typer.Option(None, "--kv-heads", rich_help_panel=_MODEL,
-                                        help="KV heads (grouped-query attention)."),
-    head_dim: int | None = typer.Option(None, "--head-dim", rich_help_panel=_MODEL,
-                                        help="Dimension of one head."),
+    layers: int | None = _opt("layers", _MODEL),
+    kv_heads: int | None = _opt("kv_heads", _MODEL),
+    head_dim: int | None = _opt("head_dim", _MODEL),
     dtype: str | None = typer.Option(
         None, "--dtype", metavar="fp32|bf16|fp16|fp8", rich_help_panel=_MODEL,
         help="KV cache element type (default: config.json's torch_dtype, else bf16)."),
-    kv_lora_rank: int | None = typer.Option(
-        None, "--kv-lora-rank", rich_help_panel=_MODEL,
-        help="MLA (DeepSeek): compressed KV latent dimension cached per token per layer."),
-    qk_rope_head_dim: int | None = typer.Option(
-        None, "--qk-rope-head-dim", rich_help_panel=_MODEL,
-        help="MLA: decoupled RoPE key dimension cached beside the latent (0 if none)."),
-    sliding_window: int | None = typer.Option(
-        None, "--sliding-window", metavar="TOKENS", rich_help_panel=_MODEL,
-        help="Tokens a sliding-window layer keeps."),
-    sliding_window_layers: int | None = typer.Option(
-        None, "--sliding-window-layers", metavar="N", rich_help_panel=_MODEL,
-        help="How many layers use the sliding window (default: from config.json, else all)."),
-    tp: int | None = typer.Option(None, "--tp", rich_help_panel=_MODEL,
-                                  help="Tensor-parallel ranks (default: 1)."),
-    prompt_tokens: int | None = typer.Option(None, "--prompt-tokens", rich_help_panel=_POOL,
-                                             help="Prompt length of one request."),
-    prefix_tokens: int | None = typer.Option(
-        None, "--prefix-tokens", rich_help_panel=_POOL,
-        help="Reusable tokens per shared prefix (what a request loads instead of computing)."),
-    hot_prefixes: int | None = typer.Option(None, "--hot-prefixes", rich_help_panel=_POOL,
-                                            help="Distinct prefixes kept (default: 1)."),
-    replicas: int | None = typer.Option(None, "--replicas", rich_help_panel=_POOL,
-                                        help="Copies of each object in the pool (default: 1)."),
-    payload_fraction: float | None = typer.Option(
-        None, "--payload-fraction", rich_help_panel=_POOL,
-        help="Share of the physical pool that holds payload, in (0, 1] (default: 1)."),
-    chunk_tokens: int | None = typer.Option(
-        None, "--chunk-tokens", rich_help_panel=_POOL,
-        help="Tokens per stored chunk (one object per rank per chunk)."),
-    request_rate: float | None = typer.Option(None, "--request-rate", rich_help_panel=_BW,
-                                              help="Requests per second."),
-    link_gbps: float | None = typer.Option(None, "--link-gbps", rich_help_panel=_BW,
-                                           help="Link line rate in Gb/s (10^9 bits/s)."),
-    link_efficiency: float | None = typer.Option(
-        None, "--link-efficiency", rich_help_panel=_BW,
-        help="Usable share of the line rate, in (0, 1] (default: 1)."),
-    write_fraction: float | None = typer.Option(
-        None, "--write-fraction", rich_help_panel=_BW,
-        help="Share of requests that store their whole prompt's KV, in (0, 1]."),
-    load_residence_ms: float | None = typer.Option(
-        None, "--load-residence-ms", rich_help_panel=_BW,
-        help="How long one load is in flight (Little's law)."),
-    prefill_tokens_per_s: float | None = typer.Option(
-        None, "--prefill-tokens-per-s", rich_help_panel=_BE,
-        help="Recompute (prefill) throughput in tokens/s."),
+    kv_lora_rank: int | None = _opt("kv_lora_rank", _MODEL),
+    qk_rope_head_dim: int | None = _opt("qk_rope_head_dim", _MODEL),
+    sliding_window: int | None = _opt("sliding_window", _MODEL),
+    sliding_window_layers: int | None = _opt("sliding_window_layers", _MODEL),
+    tp: int | None = _opt("tp", _MODEL),
+    prompt_tokens: int | None = _opt("prompt_tokens", _POOL),
+    prefix_tokens: int | None = _opt("prefix_tokens", _POOL),
+    hot_prefixes: int | None = _opt("hot_prefixes", _POOL),
+    replicas: int | None = _opt("replicas", _POOL),
+    payload_fraction: float | None = _opt("payload_fraction", _POOL),
+    chunk_tokens: int | None = _opt("chunk_tokens", _POOL),
+    request_rate: float | None = _opt("request_rate", _BW),
+    link_gbps: float | None = _opt("link_gbps", _BW),
+    link_efficiency: float | None = _opt("link_efficiency", _BW),
+    write_fraction: float | None = _opt("write_fraction", _BW),
+    load_residence_ms: float | None = _opt("load_residence_ms", _BW),
+    prefill_tokens_per_s: float | None = _opt("prefill_tokens_per_s", _BE),
     from_run: str | None = typer.Option(
         None, "--from-run", metavar="RUN", rich_help_panel=_BE,
         help="Take the recompute cost fitted on this run directory's engine steps."),
-    load_latency_ms: float | None = typer.Option(
-        None, "--load-latency-ms", rich_help_panel=_BE,
-        help="Fixed latency of one load, >= 0 (default: 0). Load bandwidth is the usable link "
-             "budget."),
+    load_latency_ms: float | None = _opt("load_latency_ms", _BE),
     output_format: str = typer.Option("text", "--format", metavar="text|json",
                                       help="Output format."),
 ) -> None:

@@ -6,14 +6,23 @@ from pathlib import Path
 
 import typer
 
+from kvscope.run_options import Flag, check_value, option
+
+
+def _check_window(flag: Flag, text: str) -> None:
+    """`--window START:END`: parsed as the command will, each side within the flag's range."""
+    from dashboard.timeline import Window
+
+    w = Window.parse(text)
+    for v in (w.start_s, w.end_s):
+        check_value(flag, v)
+
 
 def timeline(
     run: Path = typer.Argument(..., help="A kvscope run directory."),
     out: Path = typer.Option(..., "--out", "-o",
                              help="Trace file to write (.json, or .json.gz to compress)."),
-    window: str | None = typer.Option(
-        None, "--window",
-        help="Keep only START:END seconds since the run's start (either side may be empty)."),
+    window: str | None = option("timeline", "window", None, check=_check_window),
     requests: list[str] | None = typer.Option(
         None, "--requests",
         help="Show only these requests (comma-separated ids, repeatable): their stages, the "

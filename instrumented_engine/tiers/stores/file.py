@@ -22,6 +22,21 @@ from instrumented_engine.tiers.stores import RemoteError, chain_lookup
 _TMP_SUFFIX = ".tmp"
 
 
+def _mkdir_failure(root: Path, exc: OSError) -> str:
+    """Why `root` could not be created, naming the path in the way: a file where a directory
+    must be, or the directory the OS refused to create (and why)."""
+    p = root
+    try:
+        while not p.exists() and p != p.parent:
+            p = p.parent
+        if p.exists() and not p.is_dir():
+            return f"{p} is not a directory"
+    except OSError:  # an ancestor that cannot even be looked at: the OS error says enough
+        pass
+    where = exc.filename if exc.filename is not None else root
+    return f"{where}: {exc.strerror or exc}"
+
+
 class FileStore:
     """Block objects as files under `root`.
 
@@ -39,7 +54,8 @@ class FileStore:
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise RemoteError(f"file store {self.root}: {e}") from e
+            raise RemoteError(f"file store {self.root}: cannot create the directory "
+                              f"({_mkdir_failure(self.root, e)})") from e
         self._root = os.fspath(self.root)
         self.durable = durable
         self.lookup_batch = lookup_batch
