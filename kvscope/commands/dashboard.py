@@ -61,6 +61,10 @@ def dashboard(
             raise InputError(f"{r}: no such run directory or file")
         if r.is_dir() and not (r / "run.json").exists():
             raise InputError(f"{r}: not a run directory (no run.json)")
+        if r.is_dir():  # run.json validated here, up front, as every reader does
+            from agent.runstore.reader import read_meta
+
+            read_meta(r)
     argv = streamlit_argv(runs, port=port, address=listen_address)
     host = f"[{listen_address}]" if ":" in listen_address else listen_address
     typer.echo(f"kvscope dashboard: http://{host}:{port}", err=True)

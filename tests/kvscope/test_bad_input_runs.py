@@ -145,7 +145,8 @@ def _run_json(cmd: str, **changes: Any) -> Callable[[Path], list[str]]:
                 "compare": ["compare", str(GOLDEN_RUN), str(run), "--bootstrap", "100"],
                 "timeline": ["timeline", str(run), "-o", str(tmp / "t.json")],
                 "plan": ["plan", "--from-run", str(run), "--layers", "2", "--kv-heads", "2",
-                         "--head-dim", "64", "--link-gbps", "100"]}[cmd]
+                         "--head-dim", "64", "--link-gbps", "100"],
+                "dashboard": ["dashboard", str(run), "--port", "1"]}[cmd]
     return argv
 
 
@@ -180,6 +181,8 @@ CASES: dict[str, Case] = {
         RUN_JSON + r"not valid JSON \(nested too deeply\)"),
     "run_json_deep_nesting_timeline": Case(
         _raw_run_json("timeline", deep_json()), RUN_JSON + r"not valid JSON \(nested too deeply\)"),
+    "run_json_config_a_list_dashboard": Case(
+        _run_json("dashboard", config=[]), RUN_JSON + r"config: expected an object, got an array"),
     "run_json_config_a_list": Case(
         _run_json("analyze", config=[]), RUN_JSON + r"config: expected an object, got an array"),
     "run_json_mono_ns_a_string": Case(
