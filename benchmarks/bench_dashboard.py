@@ -17,12 +17,26 @@ Prints medians (and min/max over repeats) per page, and the ratio large / golden
 With ``--browser`` it also serves both runs with ``kvscope dashboard`` and times each page in
 headless Chromium (navigation until the page has stopped running and its figures are drawn):
 the first visit, then a second one, for the large runs and the golden run alternately.
+
+``--engine N`` records a real engine run of N requests (``kvscope run -n N --rate 0 --model
+tiny``, with a host tier and a file:// remote: hundreds of Parquet parts, every table) and uses
+it instead of the synthetic runs; ``--run PATH`` uses an existing run store.
+
+``--before DIR`` times, in the same process and interleaved with the current dashboard, the
+dashboard of another checkout (DIR holds its ``dashboard/`` package, e.g. a copy taken before a
+change): the first render of each page in headless Chromium on the large run, a fresh server
+per repeat, and prints after / before with a bootstrap interval over the repeats.
+
+    .venv/bin/python benchmarks/bench_dashboard.py --engine 2000 --before /tmp/kvscope-before \
+        --repeat 5 --browser-only
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -136,15 +150,38 @@ def _render(runs: list[str], page: str, *, clear: bool, before: str | None = Non
     return dt
 
 
-_BROWSER_PAGES = (("", "Top findings", 2), ("requests", "Token accounting", 2),
+#: (URL path, text the page shows once it has run, figures it draws) per page. The current
+#: dashboard serves the Overview at /overview (the root opens it there) with four figures.
+_BROWSER_PAGES = (("overview", "Top findings", 4), ("requests", "Token accounting", 2),
                   ("kv_cache", "Evictions", 4), ("hardware", "samples from", 1),
                   ("compare", "Token accounting, A vs B", 1))
+#: The same for a dashboard from before that change: its Overview is only at the root.
+_BEFORE_PAGES = (("", "Top findings", 2), *_BROWSER_PAGES[1:])
 
 
-def _browser_times(runs: list[str], profile: Path) -> dict[tuple[str, str], float]:
-    """Seconds per (visit, page) in headless Chromium against `kvscope dashboard RUNS`."""
+def _serve(runs: list[str], port: int, before: Path | None) -> subprocess.Popen[bytes]:
+    """`kvscope dashboard RUNS`, or the dashboard of the checkout `before` (its package first
+    on the path) served the same way."""
+    if before is None:
+        return subprocess.Popen([sys.executable, "-m", "kvscope.cli", "dashboard", *runs,
+                                 "--port", str(port)], cwd=REPO, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    env = dict(os.environ, PYTHONPATH=f"{before}{os.pathsep}{REPO}")
+    return subprocess.Popen(
+        [sys.executable, "-m", "streamlit", "run", str(before / "dashboard" / "streamlit_app.py"),
+         "--server.headless", "true", "--server.address", "127.0.0.1", "--server.port",
+         str(port), "--browser.gatherUsageStats", "false", "--", *runs],
+        cwd=before, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _browser_times(runs: list[str], profile: Path, before: Path | None = None,
+                   visits: tuple[str, ...] = ("first", "second")
+                   ) -> dict[tuple[str, str], float]:
+    """Seconds per (visit, page) in headless Chromium against a fresh dashboard over RUNS
+    (the current one, or that of checkout `before`). The first visit of the Overview is the
+    run's first render (it loads the run and runs every analysis); each other page's first
+    visit is its first render after that."""
     import json
-    import subprocess
 
     from websockets.sync.client import connect
 
@@ -152,9 +189,7 @@ def _browser_times(runs: list[str], profile: Path) -> dict[tuple[str, str], floa
     from tests.dashboard.test_browser import DevTools, _wait_http
 
     port, cdp = free_port(), free_port()
-    dash = subprocess.Popen([sys.executable, "-m", "kvscope.cli", "dashboard", *runs, "--port",
-                             str(port)], cwd=REPO, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    dash = _serve(runs, port, before)
     chrome = subprocess.Popen(
         ["/usr/bin/chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
          "--no-first-run", "--disable-background-networking", "--disable-component-update",
@@ -170,8 +205,8 @@ def _browser_times(runs: list[str], profile: Path) -> dict[tuple[str, str], floa
         page = next(t for t in targets if t["type"] == "page")
         with connect(page["webSocketDebuggerUrl"], max_size=None) as ws:
             tools = DevTools(ws)
-            for visit in ("first", "second"):
-                for path, until, plots in _BROWSER_PAGES:
+            for visit in visits:
+                for path, until, plots in (_BEFORE_PAGES if before else _BROWSER_PAGES):
                     t = time.perf_counter()
                     tools.load(f"{url}/{path}", until, plots)
                     out[(visit, path or "overview")] = time.perf_counter() - t
@@ -180,6 +215,50 @@ def _browser_times(runs: list[str], profile: Path) -> dict[tuple[str, str], floa
             proc.terminate()
             proc.wait(timeout=30)
     return out
+
+
+def _ratio_ci(after: list[float], before: list[float], *, n_boot: int = 2000,
+              level: float = 0.95, seed: int = 0) -> tuple[float, float, float]:
+    """median(after) / median(before), with a percentile bootstrap interval (repeats
+    resampled independently on each side)."""
+    rng = np.random.default_rng(seed)
+    a, b = np.asarray(after), np.asarray(before)
+    ra = np.median(rng.choice(a, (n_boot, len(a))), axis=1)
+    rb = np.median(rng.choice(b, (n_boot, len(b))), axis=1)
+    lo, hi = np.quantile(ra / rb, [(1 - level) / 2, (1 + level) / 2])
+    return float(np.median(a) / np.median(b)), float(lo), float(hi)
+
+
+def _report_before_after(runs: list[str], before: Path, repeat: int, tmp: Path) -> None:
+    """First render of each page, current dashboard vs checkout `before`, interleaved."""
+    res: dict[tuple[str, str], list[float]] = {}
+    for i in range(repeat):
+        for state, where in (("before", before), ("after", None)):
+            times = _browser_times(runs, tmp / f"profile-{state}-{i}", where, visits=("first",))
+            for (_, page), dt in times.items():
+                res.setdefault((state, page), []).append(dt)
+            print(f"  repeat {i + 1}/{repeat} {state}: " + ", ".join(
+                f"{page} {dt:.2f} s" for (_, page), dt in times.items()), flush=True)
+    print(f"\nfirst render per page, headless Chromium, {repeat} fresh server(s) each, "
+          f"interleaved\n{'page':<12}{'before s':>10}{'[min, max]':>16}{'after s':>10}"
+          f"{'[min, max]':>16}{'after/before':>14}{'95 % CI':>18}")
+    pages = [path or "overview" for path, _, _ in _BROWSER_PAGES]
+    for page in pages:
+        b, a = res[("before", page)], res[("after", page)]
+        r, lo, hi = _ratio_ci(a, b)
+        print(f"{page:<12}{statistics.median(b):>10.2f}{f'[{min(b):.2f}, {max(b):.2f}]':>16}"
+              f"{statistics.median(a):>10.2f}{f'[{min(a):.2f}, {max(a):.2f}]':>16}"
+              f"{r:>14.2f}{f'[{lo:.2f}, {hi:.2f}]':>18}")
+
+
+def engine_run(path: Path, requests: int) -> Path:
+    """A real engine run of `requests` requests, all at once (tiny model, CPU, host tier and
+    a file:// remote, so every table and tier counter is recorded)."""
+    subprocess.run([sys.executable, "-m", "kvscope.cli", "run", "-n", str(requests), "--rate",
+                    "0", "--model", "tiny", "--threads", "1", "--metrics-port", "0", "-q",
+                    "--host-blocks", "64", "--remote", f"file://{path.parent / 'remote'}",
+                    "-o", str(path)], cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+    return path
 
 
 def _report_browser(cases: dict[str, list[str]], repeat: int, tmp: Path) -> None:
@@ -205,29 +284,49 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--browser", action="store_true",
                     help="also time each page in headless Chromium (/usr/bin/chromium)")
+    ap.add_argument("--engine", type=int, default=0, metavar="N",
+                    help="record a real N-request engine run and use it as the large run")
+    ap.add_argument("--run", type=Path, default=None, help="use this run store as the large run")
+    ap.add_argument("--before", type=Path, default=None, metavar="DIR",
+                    help="also time the dashboard of checkout DIR (before a change) in "
+                         "Chromium, interleaved with this one")
+    ap.add_argument("--browser-only", action="store_true",
+                    help="skip the AppTest timings")
     args = ap.parse_args()
     import logging
 
     logging.getLogger("streamlit").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory() as tmp:
         t = time.perf_counter()
-        big_a = str(build_run(Path(tmp) / "a", args.requests, seed=0))
-        big_b = str(build_run(Path(tmp) / "b", args.requests, seed=1, remote_read_scale=3.0))
-        print(f"built two {args.requests:,}-request runs in {time.perf_counter() - t:.1f} s")
+        if args.run is not None:
+            big_a = big_b = str(args.run)
+            print(f"large run: {args.run}")
+        elif args.engine:
+            big_a = big_b = str(engine_run(Path(tmp) / "engine" / "run", args.engine))
+            print(f"recorded a {args.engine:,}-request engine run in "
+                  f"{time.perf_counter() - t:.1f} s")
+        else:
+            big_a = str(build_run(Path(tmp) / "a", args.requests, seed=0))
+            big_b = str(build_run(Path(tmp) / "b", args.requests, seed=1,
+                                  remote_read_scale=3.0))
+            print(f"built two {args.requests:,}-request runs in {time.perf_counter() - t:.1f} s")
         cases = {"large": [big_a, big_b], "golden": [str(GOLDEN), str(GOLDEN)]}
-        res: dict[tuple[str, str, str], list[float]] = {}
-        for _ in range(args.repeat):
-            for page in PAGES:
-                for name, runs in cases.items():  # interleaved: noise hits both alike
-                    res.setdefault((name, page, "cold"), []).append(
-                        _render(runs, page, clear=True))
-                    res.setdefault((name, page, "first"), []).append(
-                        _render(runs, page, clear=True, before="views/overview.py"))
-                    res.setdefault((name, page, "warm"), []).append(
-                        _render(runs, page, clear=False, rerender=True))
-        _report_apptest(res)
+        if not args.browser_only:
+            res: dict[tuple[str, str, str], list[float]] = {}
+            for _ in range(args.repeat):
+                for page in PAGES:
+                    for name, runs in cases.items():  # interleaved: noise hits both alike
+                        res.setdefault((name, page, "cold"), []).append(
+                            _render(runs, page, clear=True))
+                        res.setdefault((name, page, "first"), []).append(
+                            _render(runs, page, clear=True, before="views/overview.py"))
+                        res.setdefault((name, page, "warm"), []).append(
+                            _render(runs, page, clear=False, rerender=True))
+            _report_apptest(res)
         if args.browser:
             _report_browser(cases, args.repeat, Path(tmp))
+        if args.before is not None:
+            _report_before_after(cases["large"], args.before.resolve(), args.repeat, Path(tmp))
 
 
 def _report_apptest(res: dict[tuple[str, str, str], list[float]]) -> None:

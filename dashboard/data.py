@@ -14,6 +14,8 @@ on every rerun of every page. Small results (summaries, tables for display) use
 
 from __future__ import annotations
 
+import inspect
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +41,21 @@ PICKER_REQUESTS = 200
 #: quickly and tens of thousands slowly (a day of 100 ms samples is 864,000).
 MAX_POINTS = 2000
 _SERIES = ["source", "entity", "metric"]
+#: Block-pool states (unit ``blocks``) drawn on the blocks axis; every other ``pool`` sample is
+#: an end-of-run tier counter (bytes, operations, evictions) shown in a table with its unit.
+POOL_STATES: tuple[str, ...] = ("in_use", "cached_free", "empty")
+
+
+def _cli_n_boot() -> int:
+    """The bootstrap replicates `kvscope compare` uses: `analyzers.compare.compare_frames`'s
+    default (the CLI's ``--n-boot`` default is the same 2,000)."""
+    from analyzers.compare import compare_frames
+
+    return int(inspect.signature(compare_frames).parameters["n_boot"].default)
+
+
+#: Bootstrap replicates of the Compare page's intervals, the same as the CLI's.
+N_BOOT = _cli_n_boot()
 
 
 @dataclass(slots=True, frozen=True)
@@ -96,6 +113,66 @@ def run_version(path: str | os.PathLike[str]) -> int:
     return newest
 
 
+def _label_of(path: str) -> str:
+    p = Path(path)
+    if p.is_dir():
+        try:
+            meta = json.loads((p / "run.json").read_text())
+        except (OSError, ValueError):
+            return p.name
+        return str(meta.get("run_id") or p.name) if isinstance(meta, dict) else p.name
+    return p.name
+
+
+@st.cache_data(show_spinner=False, max_entries=32)
+def run_labels(paths: tuple[str, ...] | list[str]) -> list[str]:
+    """One label per given run (by position), used by every selector and every legend alike:
+    the run's label (`RunData.label`: run id or file name), or its path where two runs share
+    one; a run given twice gets ``#2`` after its second mention."""
+    paths = [str(x) for x in paths]
+    names = [_label_of(x) for x in paths]
+    labels = [x if names.count(n) > 1 else n for x, n in zip(paths, names, strict=True)]
+    seen: dict[str, int] = {}
+    out: list[str] = []
+    for lab in labels:
+        seen[lab] = seen.get(lab, 0) + 1
+        out.append(lab if seen[lab] == 1 else f"{lab} #{seen[lab]}")
+    return out
+
+
+def _open_store(p: Path) -> Any:
+    """`agent.runstore.open_run` of a run directory, its tables read (and converted to
+    DataFrames) concurrently: a 2,000-request run holds hundreds of small Parquet parts, read
+    one after another in about 2 s, and Arrow releases the GIL while it reads and converts.
+
+    The same store `open_run(p)` returns: each table through `open_run(p, tables=(name,))`
+    (the one validation of run.json and of the parts), gaps in table order, and a run whose
+    spans are missing while it has requests refused as `open_run` refuses it.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from agent.runstore.reader import DEFAULT_REQUIRED, RunStore, open_run
+
+    names = tuple(TABLES)
+
+    def one(name: str) -> Any:
+        return open_run(p, tables=(name,), require=())
+
+    with ThreadPoolExecutor(max_workers=len(names)) as pool:
+        parts = dict(zip(names, pool.map(one, names), strict=True))
+        store = RunStore(path=p, meta=parts[names[0]].meta,
+                         tables={n: parts[n].tables[n] for n in names},
+                         gaps=[g for n in names for g in parts[n].gaps],
+                         parts={n: parts[n].parts.get(n, []) for n in names},
+                         missing=[m for n in names for m in parts[n].missing])
+        has_requests = bool(store.tables["requests"].num_rows)
+        for name in DEFAULT_REQUIRED:
+            if name in store.missing and has_requests:
+                open_run(p)  # raises InputError naming the missing table, as `open_run` does
+        list(pool.map(store.frame, names))  # Arrow → pandas, concurrently
+    return store
+
+
 @st.cache_resource(show_spinner="Loading run…", max_entries=8)
 def load_run(path: str, version: int) -> RunData:
     """Read a run directory (`agent.runstore.open_run`) or import a trace file
@@ -113,9 +190,7 @@ def load_run(path: str, version: int) -> RunData:
     """
     p = Path(path)
     if p.is_dir():
-        from agent.runstore.reader import open_run
-
-        store = open_run(p)
+        store = _open_store(p)
         notes = [f"missing part: {g}" for g in store.gaps]
         if store.meta.get("status") not in (None, "complete"):
             notes.append(f"run.json status is {store.meta.get('status')!r}: the run did not "
@@ -195,9 +270,14 @@ def diagnoses(path: str, version: int) -> tuple[DiagnoseReport | None, str | Non
         return None, f"diagnoses unavailable ({exc})"
     run = load_run(path, version)
     try:
+        # The same arguments as `analyzers.report.build_report` (what `kvscope analyze`
+        # prints), so the findings and their evidence read the same here and there.
         report = diagnose_report(run.requests, run.spans, layers=run.layers,
                                  samples=run.samples, events=run.events,
-                                 part=partition(path, version))
+                                 part=partition(path, version),
+                                 run_config=run.meta.get("config") if run.is_store else None,
+                                 origin_ns=origin_ns(path, version),
+                                 run_path=run.path if run.is_store else None)
     except Exception as exc:  # one broken rule must not take the page down
         return None, f"diagnoses failed on this run: {type(exc).__name__}: {exc}"
     return report, None
@@ -205,12 +285,11 @@ def diagnoses(path: str, version: int) -> tuple[DiagnoseReport | None, str | Non
 
 @st.cache_data(show_spinner="Comparing runs…", max_entries=8)
 def comparison(path_a: str, version_a: int, path_b: str, version_b: int,
-               n_boot: int = 1000) -> Comparison:
+               n_boot: int = N_BOOT) -> Comparison:
     """`analyzers.compare.compare_frames` of run B against run A (the baseline)."""
     from analyzers.compare import compare_frames
 
-    a, b = load_run(path_a, version_a), load_run(path_b, version_b)
-    la, lb = (a.label, b.label) if a.label != b.label else (a.path, b.path)
+    la, lb = run_labels((path_a, path_b))
     return compare_frames(partition(path_a, version_a), accounting(path_a, version_a),
                           partition(path_b, version_b), accounting(path_b, version_b),
                           a_label=la, b_label=lb, n_boot=n_boot)
@@ -285,13 +364,54 @@ def thin(samples: pd.DataFrame, max_points: int = MAX_POINTS) -> pd.DataFrame:
     return samples.loc[keep]
 
 
+def _pool_frame(path: str, version: int) -> tuple[pd.DataFrame, np.ndarray]:
+    pool = _source_frame(load_run(path, version).samples, ("pool",))
+    unit = pool["unit"].astype(object).fillna("").astype(str).to_numpy()
+    state = (unit == "blocks") & pool["metric"].isin(POOL_STATES).to_numpy(dtype=bool)
+    return pool, state
+
+
 @st.cache_data(show_spinner=False, max_entries=16)
 def pool_states(path: str, version: int) -> pd.DataFrame:
-    """Block-pool state samples as recorded (`thin`-ned for drawing): ``ts_ns, entity, metric
-    (the state), value, unit``."""
-    pool = _source_frame(load_run(path, version).samples, ("pool",))
-    pool = pool.sort_values([*_SERIES, "ts_ns"], kind="stable").reset_index(drop=True)
+    """Block-pool *state* samples (device and host pools: in_use, cached_free, empty, unit
+    ``blocks``) as recorded, `thin`-ned for drawing: ``ts_ns, entity, metric, value, unit``.
+
+    The tier counters also recorded as source ``pool`` (bytes, operations, evictions, up to
+    millions) are not block states; they are in `pool_counters`."""
+    pool, state = _pool_frame(path, version)
+    pool = pool.loc[state].sort_values([*_SERIES, "ts_ns"], kind="stable").reset_index(drop=True)
     return thin(pool).reset_index(drop=True)
+
+
+def _counter_unit(metric: str, unit: str) -> str:
+    if unit:
+        return unit
+    if "bytes" in metric:
+        return "bytes"
+    if "blocks" in metric or metric in ("evictions", "queued", "remote_stored"):
+        return "blocks"
+    if metric.startswith(("ops_", "lookup_failed", "write_failed", "failures_")):
+        return "operations"
+    return "count"
+
+
+@st.cache_data(show_spinner=False, max_entries=16)
+def pool_counters(path: str, version: int) -> pd.DataFrame:
+    """The tier counters recorded as source ``pool`` (every sample that is not a block state),
+    at their last sample: ``entity (tier), counter, value, unit``. Counters are cumulative, so
+    the last value is the run's total."""
+    pool, state = _pool_frame(path, version)
+    c = pool.loc[~state]
+    if not len(c):
+        return pd.DataFrame(columns=["entity", "counter", "value", "unit"])
+    c = c.assign(entity=c["entity"].astype(object).where(c["entity"].notna(), ""))
+    last = c.sort_values("ts_ns", kind="stable").groupby(["entity", "metric"], sort=True,
+                                                          dropna=False).tail(1)
+    last = last.sort_values(["entity", "metric"], kind="stable")
+    units = [_counter_unit(m, "" if pd.isna(u) else str(u))
+             for m, u in zip(last["metric"], last["unit"], strict=True)]
+    return pd.DataFrame({"entity": last["entity"].to_numpy(), "counter": last["metric"].to_numpy(),
+                         "value": last["value"].to_numpy(dtype=np.float64), "unit": units})
 
 
 @st.cache_data(show_spinner=False, max_entries=16)
@@ -330,3 +450,188 @@ def events_named(path: str, version: int, name: str) -> pd.DataFrame:
     if events is None or not len(events):
         return pd.DataFrame(columns=list(TABLES["events"].names))
     return events.loc[events["name"] == name].sort_values("ts_ns").reset_index(drop=True)
+
+
+def _detail(raw: Any) -> dict[str, Any]:
+    if not isinstance(raw, str) or not raw:
+        return {}
+    try:
+        d = json.loads(raw)
+    except ValueError:
+        return {"detail": raw}
+    return d if isinstance(d, dict) else {"detail": d}
+
+
+@st.cache_data(show_spinner=False, max_entries=16)
+def events_table(path: str, version: int, name: str, limit: int = 1000) -> pd.DataFrame:
+    """The first `limit` events called `name`, for reading: ``t (s since start)``, source,
+    request, then one column per field of the recorded JSON detail (``blocks``, ``tier``...)."""
+    ev = events_named(path, version, name).head(limit)
+    t = (ev["ts_ns"].to_numpy(dtype=np.int64) - np.int64(origin_ns(path, version))) / 1e9
+    out = pd.DataFrame({"t (s since start)": t, "source": ev["source"].to_numpy(),
+                        "request": ev["request_id"].astype(object).where(
+                            ev["request_id"].notna(), "").to_numpy()})
+    detail = pd.DataFrame.from_records([_detail(d) for d in ev["detail"]], index=out.index)
+    for col in detail.columns:
+        out[str(col)] = detail[col].astype(object).where(detail[col].notna(), "")
+    return out
+
+
+@dataclass(slots=True, frozen=True)
+class Incidents:
+    """What went wrong when, on the TTFT windows' time base (seconds since the run's start).
+
+    Attributes:
+        windows: per TTFT arrival window: ``window_start_s``, ``failed_requests`` (status not
+            ok), ``failed_load_requests`` / ``failed_load_tokens`` (promised KV that failed to
+            load and was recomputed, by arrival), ``remote_errors`` (remote operations that
+            failed, from the remote's counters or its fault events), ``evicted_blocks``.
+        breaker: one row per open period of a remote circuit breaker: ``op, start_s, end_s,
+            closed`` (False: still open when the run ended; ``end_s`` is then the run's end).
+        remote_errors_from: where ``remote_errors`` came from (for the caption), or None.
+    """
+
+    windows: pd.DataFrame
+    breaker: pd.DataFrame
+    remote_errors_from: str | None
+
+    @property
+    def any(self) -> bool:
+        w = self.windows
+        cols = ["failed_requests", "failed_load_tokens", "remote_errors", "evicted_blocks"]
+        return bool(len(self.breaker)) or bool(len(w) and w[cols].to_numpy().sum() > 0)
+
+
+def _bin(t_s: np.ndarray, weights: np.ndarray | None, edges: np.ndarray) -> np.ndarray:
+    if not len(t_s):
+        return np.zeros(len(edges) - 1, dtype=np.int64)
+    counts, _ = np.histogram(t_s, bins=edges, weights=weights)
+    return counts.astype(np.int64)
+
+
+@st.cache_data(show_spinner=False, max_entries=16)
+def incidents(path: str, version: int) -> Incidents:
+    """Failures, breaker open periods and evictions per TTFT window (see `Incidents`)."""
+    run = load_run(path, version)
+    origin = np.int64(origin_ns(path, version))
+    summary = ttft_summary(path, version)
+    window_s = summary.window_ns / 1e9
+    req = run.requests
+    arrival = (req["arrival_ns"].to_numpy(dtype=np.int64) - origin) / 1e9 if len(req) \
+        else np.zeros(0)
+    events = run.events if run.events is not None else pd.DataFrame(
+        columns=list(TABLES["events"].names))
+    ev_t = (events["ts_ns"].to_numpy(dtype=np.int64) - origin) / 1e9 if len(events) \
+        else np.zeros(0)
+    names = events["name"].astype(str).to_numpy() if len(events) else np.zeros(0, dtype=str)
+    remote_t, remote_w, source = _remote_errors(run, origin, ev_t, names, events)
+    times = np.concatenate([arrival, ev_t, remote_t])
+    end_s = max(0.0, float(times.max()) if len(times) else 0.0)
+    if len(req) and req["finish_ns"].notna().any():
+        end_s = max(end_s, (float(req["finish_ns"].max()) - float(origin)) / 1e9)
+    if window_s <= 0:
+        window_s = max(end_s, 1.0)
+    start_s = min(0.0, float(times.min()) if len(times) else 0.0)
+    if (end_s - start_s) / window_s > 10_000:  # times far outside the run: coarser bins
+        window_s = (end_s - start_s) / 1_000
+    first = int(np.floor(start_s / window_s))  # windows on the TTFT windows' grid
+    n_win = max(int(np.floor(end_s / window_s)) + 1 - first, 1)
+    edges = (first + np.arange(n_win + 1, dtype=np.float64)) * window_s
+    status_bad = (req["status"].astype(object).fillna("") != "ok").to_numpy(dtype=bool) \
+        if len(req) else np.zeros(0, dtype=bool)
+    failed_tok = req["load_failed_tokens"].astype("float64").fillna(0).to_numpy() \
+        if "load_failed_tokens" in req and len(req) else np.zeros(len(arrival))
+    evict = names == "eviction"
+    blocks = np.array([float(_detail(d).get("blocks", 1) or 1)
+                       for d in events["detail"].to_numpy()[evict]]) if evict.any() \
+        else np.zeros(0)
+    windows = pd.DataFrame({
+        "window_start_s": edges[:-1],
+        "failed_requests": _bin(arrival[status_bad], None, edges),
+        "failed_load_requests": _bin(arrival[failed_tok > 0], None, edges),
+        "failed_load_tokens": _bin(arrival, failed_tok, edges),
+        "remote_errors": _bin(remote_t, remote_w, edges),
+        "evicted_blocks": _bin(ev_t[evict], blocks, edges),
+    })
+    return Incidents(windows=windows, breaker=_breaker(events, ev_t, names, end_s),
+                     remote_errors_from=source)
+
+
+def _remote_errors(run: RunData, origin: np.int64, ev_t: np.ndarray, names: np.ndarray,
+                   events: pd.DataFrame) -> tuple[np.ndarray, np.ndarray | None, str | None]:
+    """Times (s) and counts of failed remote operations: the increments of the remote's
+    cumulative ``remote_<op>_error`` counters when sampled, else its ``fault`` events."""
+    samples = run.samples
+    if samples is not None and len(samples):
+        m = (samples["source"] == "pool") & samples["metric"].str.match(r"remote_\w+_error$")
+        c = samples.loc[m.fillna(False).to_numpy(dtype=bool)]
+        if len(c):
+            c = c.sort_values(["metric", "ts_ns"], kind="stable")
+            inc = c.groupby("metric", sort=False)["value"].diff()
+            inc = inc.fillna(c["value"]).clip(lower=0).to_numpy(dtype=np.float64)
+            t = (c["ts_ns"].to_numpy(dtype=np.int64) - origin) / 1e9
+            return t, inc, "the remote's sampled error counters (remote_<op>_error)"
+    if len(events):
+        src = events["source"].astype(str).to_numpy()
+        f = (names == "fault") & (src == "remote")
+        if f.any():
+            return ev_t[f], None, "the remote's fault events"
+    return np.zeros(0), None, None
+
+
+def _breaker(events: pd.DataFrame, ev_t: np.ndarray, names: np.ndarray, end_s: float
+             ) -> pd.DataFrame:
+    rows: list[dict[str, Any]] = []
+    is_b = (names == "circuit_open") | (names == "circuit_close")
+    open_at: dict[str, float] = {}
+    order = np.argsort(ev_t[is_b], kind="stable")
+    details = events["detail"].to_numpy()[is_b][order] if is_b.any() else []
+    for name, t, d in zip(names[is_b][order], ev_t[is_b][order], details, strict=True):
+        op = str(_detail(d).get("op", "") or "")
+        if name == "circuit_open":
+            open_at.setdefault(op, float(t))
+        else:
+            start = open_at.pop(op, open_at.pop("", None))
+            if start is not None:
+                rows.append({"op": op, "start_s": start, "end_s": float(t), "closed": True})
+    rows += [{"op": op, "start_s": t, "end_s": max(end_s, t), "closed": False}
+             for op, t in open_at.items()]
+    return pd.DataFrame(rows, columns=["op", "start_s", "end_s", "closed"])
+
+
+#: Hardware metric name fragments in the order the Hardware page prefers them by default:
+#: utilisation first, then bandwidth, then other rates; constants never.
+_HW_PREFERENCE: tuple[str, ...] = ("utilization", "bytes_per_second", "_per_second")
+DEFAULT_HW_METRICS = 4
+
+
+def default_hardware_metrics(series: pd.DataFrame, n: int = DEFAULT_HW_METRICS) -> list[str]:
+    """The metrics the Hardware page draws by default: utilisation, then bandwidth, then other
+    rates, skipping series that never change (a memory total, a link speed) and error/drop
+    counters that stayed at zero."""
+    if not len(series):
+        return []
+    g = series.groupby("metric", sort=True)["value"]
+    span = (g.max() - g.min()).fillna(0)
+    moving = [m for m in span.index if span[m] > 0]
+
+    def rank(m: str) -> tuple[int, str]:
+        for i, frag in enumerate(_HW_PREFERENCE):
+            if frag in m:
+                return i, m
+        return len(_HW_PREFERENCE), m
+
+    chosen = sorted(moving, key=rank)[:n]
+    return chosen or sorted(span.index)[:n]
+
+
+@st.cache_data(show_spinner=False, max_entries=16)
+def collector_notes(path: str, version: int) -> dict[str, str]:
+    """Why a collector recorded nothing: ``{collector: reason}`` from its
+    ``collector_unavailable`` event (e.g. nvml: "NVML Shared Library Not Found")."""
+    ev = events_named(path, version, "collector_unavailable")
+    out: dict[str, str] = {}
+    for src, d in zip(ev["source"], ev["detail"], strict=True):
+        det = _detail(d)
+        out[str(det.get("collector") or src)] = str(det.get("reason") or "unavailable")
+    return out

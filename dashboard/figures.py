@@ -74,9 +74,11 @@ def stage_breakdown(groups: Mapping[str, Mapping[str, float]], *,
     return _layout(fig, title)
 
 
-def request_waterfall(spans: pd.DataFrame, arrival_ns: int, *, title: str) -> go.Figure:
+def request_waterfall(spans: pd.DataFrame, arrival_ns: int, *, title: str,
+                      first_token_ns: int | None = None) -> go.Figure:
     """One request's spans on a ms-since-arrival axis: its states on the first row, each
-    activity (transfer, store, lookup) on a row named by activity and tier."""
+    activity (transfer, store, lookup) on a row named by activity and tier; a dashed line marks
+    the first token (the request's TTFT)."""
     fig = go.Figure()
     if not len(spans):
         return _layout(fig, title + " (no spans)")
@@ -101,22 +103,41 @@ def request_waterfall(spans: pd.DataFrame, arrival_ns: int, *, title: str) -> go
             hovertemplate=(f"{label}<br>start %{{base:.3f}} ms<br>%{{x:.3f}} ms"
                            "<br>%{customdata[0]}, %{customdata[1]:,.0f} bytes<extra></extra>"),
         ))
+    if first_token_ns is not None:
+        ttft_ms = (int(first_token_ns) - int(arrival_ns)) / _MS
+        fig.add_vline(x=ttft_ms, line={"color": "#000000", "dash": "dash", "width": 1.5})
+        fig.add_annotation(x=ttft_ms, y=1.0, yref="paper", yanchor="bottom", showarrow=False,
+                           text=f"first token {ttft_ms:,.3f} ms", font={"size": 11})
     fig.update_layout(barmode="overlay")
     fig.update_yaxes(autorange="reversed")
-    fig.update_xaxes(ticksuffix=" ms")  # since arrival; an axis title would hit the legend
-    return _layout(fig, title, height=220 + 28 * len(dict.fromkeys(row)))
+    fig.update_xaxes(title_text="ms since arrival", ticksuffix=" ms")
+    _layout(fig, title, height=240 + 28 * len(dict.fromkeys(row)))
+    # The legend to the right of the plot: under it, it sat on the axis title.
+    fig.update_layout(legend={"orientation": "v", "x": 1.01, "y": 1.0, "yanchor": "top"},
+                      margin={"l": 60, "r": 140, "t": 60, "b": 50})
+    return fig
 
 
-def token_sources(counts: Mapping[str, int], *, title: str) -> go.Figure:
-    """One stacked horizontal bar: the prompt's tokens by KV source."""
+def token_sources(counts: Mapping[str, int], *, title: str, height: int = 220) -> go.Figure:
+    """One stacked horizontal bar: the prompt's tokens by KV source (device hit, host loaded,
+    remote loaded, recomputed), each legend entry with its count and share."""
     fig = go.Figure()
+    total = sum(int(counts.get(src, 0)) for src in SOURCE_COLORS)
     for src, color in SOURCE_COLORS.items():
         n = int(counts.get(src, 0))
-        fig.add_trace(go.Bar(y=["prompt"], x=[n], name=f"{src.replace('_', ' ')}: {n:,}",
-                             orientation="h", marker_color=color))
+        share = f" ({100 * n / total:.1f} %)" if total else ""
+        fig.add_trace(go.Bar(y=["prompt"], x=[n], name=f"{src.replace('_', ' ')}: {n:,}{share}",
+                             orientation="h", marker_color=color,
+                             hovertemplate=f"{src.replace('_', ' ')}: {n:,} / {total:,} prompt "
+                                           f"tokens{share}<extra></extra>"))
     fig.update_layout(barmode="stack")
-    fig.update_xaxes(title_text="prompt tokens")
-    return _layout(fig, title, height=220)
+    fig.update_xaxes(title_text="prompt tokens", tickformat=",d")
+    _layout(fig, title, height=height)
+    # The legend (counts and shares) beside the bar: under it, it sat on the axis title.
+    fig.update_layout(legend={"orientation": "v", "x": 1.02, "y": 1.0, "yanchor": "top",
+                              "traceorder": "normal"},
+                      margin={"l": 60, "r": 20, "t": 50, "b": 50})
+    return fig
 
 
 def tier_bars(tiers: pd.DataFrame) -> go.Figure:
@@ -140,6 +161,8 @@ def layer_heatmap(table: pd.DataFrame) -> go.Figure:
     fig = go.Figure(go.Heatmap(
         z=z, x=table["layer"].astype(str), y=list(kinds), zmin=0, zmax=1, colorscale="Viridis",
         customdata=text,
+        colorbar={"title": {"text": "share of prompt<br>tokens (%)", "side": "right"},
+                  "tickformat": ".0%"},
         hovertemplate="layer %{x} %{y}: %{customdata} prompt tokens (%{z:.1%})<extra></extra>",
     ))
     fig.update_xaxes(title_text="layer", type="category")
@@ -147,16 +170,17 @@ def layer_heatmap(table: pd.DataFrame) -> go.Figure:
 
 
 def pool_states(samples: pd.DataFrame, *, origin_ns: int) -> go.Figure:
-    """Block-pool states over time, stacked (samples with source ``pool``)."""
+    """Block-pool states over time, stacked per pool (device, host): only samples in unit
+    ``blocks`` (`dashboard.data.pool_states`); tier counters belong in a table."""
     fig = go.Figure()
     for (entity, state), g in samples.groupby(["entity", "metric"], sort=True, dropna=False):
         g = g.sort_values("ts_ns")
         fig.add_trace(go.Scatter(x=_times(g["ts_ns"], origin_ns), y=g["value"],
                                  name=f"{entity} {state}",
                                  mode="lines", stackgroup=str(entity), line={"shape": "hv"}))
-    fig.update_yaxes(title_text="blocks")
+    fig.update_yaxes(title_text="blocks", tickformat=",d", rangemode="tozero")
     fig.update_xaxes(title_text=TIME_AXIS, type="linear")
-    return _layout(fig, "Block pool states over time")
+    return _layout(fig, "Block pool states over time (blocks)")
 
 
 def event_counts(events: pd.DataFrame, *, title: str, origin_ns: int) -> go.Figure:
@@ -167,12 +191,55 @@ def event_counts(events: pd.DataFrame, *, title: str, origin_ns: int) -> go.Figu
     return _layout(fig, title, height=280)
 
 
+#: How each sample unit is drawn: (tickformat, ticksuffix, hover format, hover suffix).
+#: Plotly's default SI format writes giga as "B" (25.2765020165B), so bytes get ``~s`` + B.
+_UNIT_AXES: dict[str, tuple[str, str, str, str]] = {
+    "bytes": ("~s", "B", "~s", "B"),
+    "bytes_per_second": ("~s", "B/s", "~s", "B/s"),
+    "bytes/s": ("~s", "B/s", "~s", "B/s"),
+    "ratio": (".1%", "", ".1%", ""),
+    "percent": (".0f", " %", ".1f", " %"),
+    "per_second": ("~s", "/s", ",.3~f", "/s"),
+    "seconds_per_second": (".2f", " s/s", ".3f", " s/s"),
+    "seconds": ("~s", " s", ",.3~f", " s"),
+    "watts": ("~s", " W", ",.1f", " W"),
+    "celsius": (".0f", " °C", ".1f", " °C"),
+    "hertz": ("~s", "Hz", "~s", "Hz"),
+}
+_SOURCE_PREFIXES = {"nvml": ("gpu_", "nvml_"), "nic": ("nic_",), "rdma": ("rdma_",),
+                    "host": ("host_",)}
+
+
+def unit_axis(unit: str) -> tuple[str, str, str, str]:
+    """(tickformat, ticksuffix, hover format, hover suffix) for samples recorded in `unit`."""
+    u = (unit or "").strip()
+    if u in _UNIT_AXES:
+        return _UNIT_AXES[u]
+    if u.endswith("/s"):
+        return ("~s", f" {u}", "~s", f" {u}")
+    return ("~s", f" {u}" if u else "", ",.4~g", f" {u}" if u else "")
+
+
+def short_metric(source: str, metric: str) -> str:
+    """A metric's name for a legend: its source prefix and unit suffix dropped, underscores as
+    spaces (``host_cpu_utilization_ratio`` → ``cpu utilization``, ``nic_receive_bytes_per_second``
+    → ``receive``, ``gpu_pcie_receive_bytes_per_second`` → ``pcie receive``)."""
+    m = metric
+    for pre in _SOURCE_PREFIXES.get(source, ()):
+        m = m.removeprefix(pre)
+    for suf in ("_bytes_per_second", "_per_second", "_ratio", "_bytes", "_total"):
+        if m.endswith(suf) and len(m) > len(suf):
+            m = m.removesuffix(suf)
+            break
+    return m.replace("_", " ")
+
+
 def hardware(windows: pd.DataFrame, series: pd.DataFrame, metrics: Sequence[str], *,
              origin_ns: int) -> go.Figure:
-    """TTFT percentiles on top, then one row per hardware metric (a line per entity), all on
-    one shared time axis."""
+    """TTFT percentiles on top, then one row per hardware metric (a line per entity, named
+    ``entity short-metric``), all on one shared time axis; each row's axis in its unit."""
     rows = 1 + len(metrics)
-    fig = make_subplots(rows=rows, cols=1, shared_xaxes=True, vertical_spacing=0.04,
+    fig = make_subplots(rows=rows, cols=1, shared_xaxes=True, vertical_spacing=0.06,
                         subplot_titles=["TTFT (ms)", *metrics])
     if len(windows):
         x = _times(windows["window_start_ns"], origin_ns)
@@ -180,17 +247,81 @@ def hardware(windows: pd.DataFrame, series: pd.DataFrame, metrics: Sequence[str]
             fig.add_trace(go.Scatter(x=x, y=windows[f"ttft_{q}_ns"].astype("float64") / _MS,
                                      name=f"TTFT {q}", mode="lines+markers",
                                      line={"dash": dash}), row=1, col=1)
+    fig.update_yaxes(ticksuffix=" ms", row=1, col=1)
     for i, metric in enumerate(metrics, start=2):
         s = series.loc[series["metric"] == metric]
+        unit = ""
         for (source, entity), g in s.groupby(["source", "entity"], sort=True):
-            unit = str(g["unit"].iloc[0]) if g["unit"].notna().any() else ""
+            unit = str(g["unit"].dropna().iloc[0]) if g["unit"].notna().any() else ""
+            _, _, hover, hsuf = unit_axis(unit)
+            name = " ".join(x for x in (str(entity), short_metric(str(source), metric)) if x)
             fig.add_trace(go.Scatter(
                 x=_times(g["ts_ns"], origin_ns), y=g["value"].to_numpy(dtype=np.float64),
-                mode="lines" if len(g) > 200 else "lines+markers",
-                name=f"{source} {entity} {metric}".strip(),
-                hovertemplate=f"%{{y:,.4g}} {unit}<extra></extra>"), row=i, col=1)
-    fig.update_xaxes(title_text=TIME_AXIS, type="linear")
+                mode="lines" if len(g) > 200 else "lines+markers", name=name,
+                hovertemplate=f"{name}: %{{y:{hover}}}{hsuf}<extra></extra>"), row=i, col=1)
+        tick, suffix, _, _ = unit_axis(unit)
+        fig.update_yaxes(tickformat=tick, ticksuffix=suffix, row=i, col=1)
+    fig.update_xaxes(type="linear")
+    fig.update_xaxes(title_text=TIME_AXIS, row=rows, col=1)
     return _layout(fig, "Hardware and TTFT on one time axis", height=220 + 200 * rows)
+
+
+def incidents(windows: pd.DataFrame, incidents: pd.DataFrame, breaker: pd.DataFrame, *,
+              origin_ns: int) -> go.Figure:
+    """When did things go wrong: TTFT p50/p99 per arrival window on top, failures (failed
+    requests, failed loads, remote errors) in the middle, evicted blocks at the bottom, on one
+    time axis; breaker-open periods shaded across all rows.
+
+    Args:
+        windows: `TTFTSummary.windows`.
+        incidents: `dashboard.data.Incidents.windows` (``window_start_s`` and counts).
+        breaker: `dashboard.data.Incidents.breaker` (``op, start_s, end_s, closed``).
+        origin_ns: the run's start.
+    """
+    fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.08,
+                        row_heights=[0.45, 0.3, 0.25],
+                        subplot_titles=["TTFT (ms)", "failures per window",
+                                        "evicted blocks per window"])
+    if len(windows):
+        x = _times(windows["window_start_ns"], origin_ns)
+        for q in ("p50", "p99"):
+            fig.add_trace(go.Scatter(x=x, y=windows[f"ttft_{q}_ns"].astype("float64") / _MS,
+                                     name=f"TTFT {q}", mode="lines+markers",
+                                     line={"dash": _QUANTILE_DASH[q]}), row=1, col=1)
+    x = incidents["window_start_s"] if len(incidents) else []
+    for col, name, color in (("failed_requests", "failed requests", "#7f0000"),
+                             ("failed_load_requests", "requests with a failed load", "#d62728"),
+                             ("remote_errors", "remote operation errors", "#ff7f0e")):
+        y = incidents[col] if len(incidents) else []
+        fig.add_trace(go.Bar(x=x, y=y, name=name, marker_color=color,
+                             hovertemplate=f"%{{x:.1f}} s: %{{y:,}} {name}<extra></extra>"),
+                      row=2, col=1)
+    fig.add_trace(go.Bar(x=x, y=incidents["evicted_blocks"] if len(incidents) else [],
+                         name="evicted blocks", marker_color="#9467bd",
+                         hovertemplate="%{x:.1f} s: %{y:,} evicted blocks<extra></extra>"),
+                  row=3, col=1)
+    for b in breaker.itertuples(index=False):
+        label = f"breaker open ({b.op})" if b.op else "breaker open"
+        for r in (1, 2, 3):
+            fig.add_vrect(x0=b.start_s, x1=b.end_s, fillcolor="#d62728", opacity=0.12,
+                          line_width=0, row=r, col=1)
+        fig.add_trace(go.Scatter(x=[b.start_s, b.end_s], y=[0, 0], mode="lines",
+                                 line={"color": "#d62728", "width": 6}, name=label,
+                                 legendgroup=f"breaker {b.op}", showlegend=True,
+                                 hovertemplate=(f"{label}: %{{x:.2f}} s"
+                                                + ("" if b.closed else " (still open at end)")
+                                                + "<extra></extra>")), row=2, col=1)
+    fig.update_layout(barmode="group")
+    fig.update_yaxes(ticksuffix=" ms", row=1, col=1)
+    for row, cols in ((2, ("failed_requests", "failed_load_requests", "remote_errors")),
+                      (3, ("evicted_blocks",))):
+        top = float(incidents[list(cols)].to_numpy().max()) if len(incidents) else 0.0
+        # Whole counts: with a small maximum Plotly would put ticks at 0.5 and print "1" twice.
+        fig.update_yaxes(tickformat=",d", rangemode="tozero", row=row, col=1,
+                         **({"dtick": 1, "tick0": 0} if top <= 5 else {}))
+    fig.update_xaxes(type="linear")
+    fig.update_xaxes(title_text=TIME_AXIS, row=3, col=1)
+    return _layout(fig, "TTFT, failures, breaker and evictions on one time axis", height=560)
 
 
 def compare_stages(stages: pd.DataFrame, a_label: str, b_label: str) -> go.Figure:

@@ -18,8 +18,19 @@ PAGES = Path(__file__).resolve().parent / "views"
 
 st.set_page_config(page_title="kvscope", layout="wide")
 paths = common.init_runs(sys.argv[1:])
+overview = st.Page(PAGES / "overview.py", title="Overview", url_path="overview")
+
+
+def _home() -> None:
+    """The root URL: Streamlit serves its default page at ``/`` whatever that page's own
+    ``url_path``, so ``/overview`` would be "Page not found". The default page is this hidden
+    one, which opens the Overview at its own URL; every page loads by its URL path."""
+    st.switch_page(overview)
+
+
 pages = [
-    st.Page(PAGES / "overview.py", title="Overview", url_path="overview", default=True),
+    st.Page(_home, title="kvscope", url_path="home", default=True, visibility="hidden"),
+    overview,
     st.Page(PAGES / "requests.py", title="Requests", url_path="requests"),
     st.Page(PAGES / "kv_cache.py", title="KV cache", url_path="kv_cache"),
     st.Page(PAGES / "hardware.py", title="Hardware", url_path="hardware"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import streamlit as st
 
@@ -63,11 +64,28 @@ def selected_run() -> Selected | None:
         return None
     path = paths[0]
     if len(paths) > 1:
-        path = st.sidebar.selectbox("Run", paths, key=SELECTED_KEY)
+        path = pick_run(st.sidebar, "Run", key=SELECTED_KEY)
     sel = open_path(path)
     if sel is not None:
-        st.caption(f"{sel.run.label} · {sel.run.source} · {len(sel.run.requests):,} requests")
+        st.caption(f"{label_of(sel.path)} · {sel.run.source} · "
+                   f"{len(sel.run.requests):,} requests")
     return sel
+
+
+def pick_run(where: Any, label: str, *, key: str, index: int = 0) -> str:
+    """A selectbox of the runs by their labels (`data.run_labels`); returns the chosen run's
+    path."""
+    paths = runs()
+    labels = data.run_labels(tuple(paths))
+    chosen = where.selectbox(label, labels, index=index, key=key)
+    return paths[labels.index(chosen)]
+
+
+def label_of(path: str) -> str:
+    """The one label a run goes by on every page, in selectors and legends alike
+    (`data.run_labels`: its run id, or its path where two runs share one)."""
+    paths = runs()
+    return data.run_labels(tuple(paths))[paths.index(path)] if path in paths else path
 
 
 def show_notes(run: data.RunData) -> None:

@@ -30,13 +30,14 @@ def main() -> None:
         st.info("Compare needs two runs: `kvscope dashboard RUN_A RUN_B`.")
         return
     left, right = st.columns(2)
-    path_a = left.selectbox("A (baseline)", paths, index=0, key="compare_a")
-    path_b = right.selectbox("B", paths, index=1, key="compare_b")
+    path_a = common.pick_run(left, "A (baseline)", index=0, key="compare_a")
+    path_b = common.pick_run(right, "B", index=1, key="compare_b")
     a, b = common.open_path(path_a), common.open_path(path_b)
     if a is None or b is None:
         return
     for col, sel in ((left, a), (right, b)):
-        col.caption(f"{sel.run.label} · {sel.run.source} · {len(sel.run.requests):,} requests")
+        col.caption(f"{common.label_of(sel.path)} · {sel.run.source} · "
+                    f"{len(sel.run.requests):,} requests")
         for note in sel.run.notes:
             col.caption(f"⚠ {note}")
     if not len(a.run.requests) or not len(b.run.requests):
@@ -53,15 +54,26 @@ def main() -> None:
     # The verdict attributes the change on one basis (tail mean, or mean when the tail did not
     # move beyond noise); the table shows the same one.
     basis = getattr(cmp, "basis", "tail_mean")
+    # Two tables of five columns: one table of nine cut its last columns off.
+    st.caption(f"Stage percentiles, A = {cmp.a_label}, B = {cmp.b_label}; Δ = B - A with its "
+               f"{100 * cmp.level:.0f} % interval ({data.N_BOOT:,} bootstrap resamples, as "
+               "`kvscope compare`).")
+    wide = st.column_config.TextColumn(width="large")
     st.dataframe(pd.DataFrame({
         "stage": s["stage"],
         "A p50": s["a_p50_ns"].map(fmt_ns), "B p50": s["b_p50_ns"].map(fmt_ns),
         "Δ p50 [CI]": [_delta(r, "p50") for _, r in s.iterrows()],
+        "explains": s["explains"].map(lambda v: "-" if pd.isna(v) else f"{100 * v:.0f} %"),
+    }), hide_index=True, key="compare_stages_p50", width="stretch",
+        column_config={"Δ p50 [CI]": wide})
+    basis_col = f"Δ {basis.replace('_', ' ')} [CI]"
+    st.dataframe(pd.DataFrame({
+        "stage": s["stage"],
         "A p99": s["a_p99_ns"].map(fmt_ns), "B p99": s["b_p99_ns"].map(fmt_ns),
         "Δ p99 [CI]": [_delta(r, "p99") for _, r in s.iterrows()],
-        f"Δ {basis.replace('_', ' ')} [CI]": [_delta(r, basis) for _, r in s.iterrows()],
-        "explains": s["explains"].map(lambda v: "-" if pd.isna(v) else f"{100 * v:.0f} %"),
-    }), hide_index=True, key="compare_stages")
+        basis_col: [_delta(r, basis) for _, r in s.iterrows()],
+    }), hide_index=True, key="compare_stages", width="stretch",
+        column_config={"Δ p99 [CI]": wide, basis_col: wide})
     if a.run.accounting_known and b.run.accounting_known:
         acc = cmp.accounting
         st.subheader("Token accounting, A vs B")
@@ -72,7 +84,7 @@ def main() -> None:
                 acc["delta_unit"], strict=True)] for side in ("a", "b")},
             "Δ": [("-" if pd.isna(d) else f"{d:+.1f} {u}")
                   for d, u in zip(acc["delta"], acc["delta_unit"], strict=True)],
-        }), hide_index=True, key="compare_accounting")
+        }), hide_index=True, key="compare_accounting", width="stretch")
     else:
         st.info("Token accounting is missing from at least one run; only stages are compared.")
 

@@ -3,6 +3,8 @@ states over time; evictions."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pandas as pd
 import streamlit as st
 
@@ -11,6 +13,40 @@ from dashboard.views import common
 
 _HEADLINE = ("token_hit_share", "device_hit_share", "host_loaded_share", "remote_loaded_share",
              "prompt_recomputed")
+
+
+def _thousands(df: pd.DataFrame, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Column configs printing every numeric column with thousands separators (1,234,567)."""
+    return {c: st.column_config.NumberColumn(format="localized") for c in df.columns
+            if c not in exclude and pd.api.types.is_numeric_dtype(df[c])}
+
+
+def _counters(sel: common.Selected) -> None:
+    """The tier counters recorded as pool samples (bytes, operations, evictions): their
+    end-of-run totals with their units, not on the blocks axis."""
+    c = data.pool_counters(sel.path, sel.version)
+    if not len(c):
+        return
+    st.markdown("**Tier counters at the end of the run** (cumulative; recorded as `pool` "
+                "samples, not block states)")
+    shown = pd.DataFrame({
+        "tier": c["entity"], "counter": c["counter"],
+        "value": [_fmt_counter(v, u) for v, u in zip(c["value"], c["unit"], strict=True)],
+        "unit": c["unit"],
+    })
+    st.dataframe(shown, hide_index=True, key="pool_counters",
+                 column_config={"value": st.column_config.TextColumn(width="medium")})
+
+
+def _fmt_counter(v: float, unit: str) -> str:
+    if pd.isna(v):
+        return "-"
+    n = f"{v:,.0f}" if float(v).is_integer() else f"{v:,.3f}"
+    if unit == "bytes" and abs(v) >= 1024:
+        for div, name in ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
+            if abs(v) >= div:
+                return f"{n} ({v / div:,.1f} {name})"
+    return n
 
 
 def _ratios(sel: common.Selected) -> None:
@@ -30,11 +66,13 @@ def _ratios(sel: common.Selected) -> None:
         "value": [str(r) for r in acct.ratios],
     }), hide_index=True, key="ratios_table")
     st.plotly_chart(figures.tier_bars(acct.tiers), key="tier_bars")
-    st.dataframe(acct.tiers, hide_index=True, key="tiers_table")
+    st.dataframe(acct.tiers, hide_index=True, key="tiers_table",
+                 column_config=_thousands(acct.tiers, exclude=("tier",)))
     failed = acct.failures.loc[acct.failures["tokens"] > 0]
     if len(failed):
         st.markdown("**Failed loads** (promised, then recomputed)")
-        st.dataframe(failed, hide_index=True, key="failures_table")
+        st.dataframe(failed, hide_index=True, key="failures_table",
+                     column_config=_thousands(failed, exclude=("reason",)))
     if len(acct.identity_violations):
         st.error(f"{len(acct.identity_violations):,} accounting identity violation(s).")
         st.dataframe(acct.identity_violations.head(100), hide_index=True)
@@ -68,15 +106,20 @@ def main() -> None:
                         key="pool_states")
     else:
         common.missing("block-pool samples", run)
+    _counters(sel)
     st.subheader("Evictions")
     ev = data.events_named(sel.path, sel.version, "eviction")
     if len(ev):
         st.plotly_chart(figures.event_counts(ev, title=f"{len(ev):,} eviction event(s)",
                                              origin_ns=data.origin_ns(sel.path, sel.version)),
                         key="evictions")
-        st.dataframe(ev.head(1000), hide_index=True, key="evictions_table")
+        shown = data.events_table(sel.path, sel.version, "eviction")
+        if len(ev) > len(shown):
+            st.caption(f"The first {len(shown):,} of {len(ev):,} eviction events.")
+        st.dataframe(shown, hide_index=True, key="evictions_table", column_config={
+            "t (s since start)": st.column_config.NumberColumn(format="%.3f s"),
+            **_thousands(shown, exclude=("t (s since start)",))})
     else:
         common.missing("eviction events", run)
-
 
 main()

@@ -1,11 +1,15 @@
-"""Overview: TTFT percentiles over time, the stacked stage breakdown, the top findings."""
+"""Overview, the page an on-call engineer keeps open: the headline numbers, where TTFT went
+(stages) beside where the KV came from (token sources), TTFT with failures, breaker-open periods
+and evictions on one time axis, and the top findings with their evidence."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pandas as pd
 import streamlit as st
 
-from agent.schema import TTFT_STAGES
+from agent.schema import TOKEN_SOURCES, TTFT_STAGES
 from analyzers.units import fmt_ns
 from dashboard import data, figures
 from dashboard.views import common
@@ -45,6 +49,63 @@ def _findings(sel: common.Selected) -> None:
                 st.markdown(f"- `{n.rule}`: {n.reason}")
 
 
+def _ratio_metric(col: Any, acct: Any, key: str, label: str) -> None:
+    r = acct.ratio(key)
+    col.metric(label, "n/a" if r.value is None else f"{100 * r.value:.1f} %")
+    col.caption(f"{r.numerator:,} / {r.denominator:,} {r.unit}")
+
+
+def _headline(sel: common.Selected, summary: Any) -> None:
+    run = sel.run
+    ttft = summary.stage("ttft")
+    cols = st.columns(6)
+    cols[0].metric("Requests with a first token", f"{summary.requests:,}")
+    cols[0].caption(f"of {len(run.requests):,} requests")
+    cols[1].metric("Without a first token", f"{summary.without_first_token:,}")
+    cols[2].metric("TTFT p50", fmt_ns(ttft.get("p50_ns")))
+    cols[3].metric("TTFT p99", fmt_ns(ttft.get("p99_ns")))
+    if run.accounting_known:
+        acct = data.accounting(sel.path, sel.version)
+        _ratio_metric(cols[4], acct, "token_hit_share", "Token hit share")
+        failed = int(acct.totals.get("load_failed_tokens", 0))
+        cols[5].metric("Failed-load tokens", f"{failed:,}")
+        r = acct.ratio("requests_load_failed")
+        cols[5].caption(f"{r.numerator:,} / {r.denominator:,} requests met a failed load")
+    else:
+        cols[4].metric("Token hit share", "n/a")
+        cols[4].caption("no token accounting in this run")
+        cols[5].metric("Stage violations", f"{summary.violations:,}")
+
+
+def _sources(sel: common.Selected, where: Any) -> None:
+    with where:
+        if not sel.run.accounting_known:
+            common.missing("token accounting", sel.run)
+            return
+        acct = data.accounting(sel.path, sel.version)
+        counts = {s: int(acct.totals.get(f"{s}_tokens", 0)) for s in TOKEN_SOURCES}
+        st.plotly_chart(figures.token_sources(
+            counts, title="Where the prompt tokens' KV came from", height=360),
+            key="token_sources")
+
+
+def _incidents(sel: common.Selected, summary: Any) -> None:
+    inc = data.incidents(sel.path, sel.version)
+    st.plotly_chart(figures.incidents(summary.windows, inc.windows, inc.breaker,
+                                      origin_ns=data.origin_ns(sel.path, sel.version)),
+                    key="incidents")
+    bits = []
+    if len(inc.breaker):
+        bits.append("breaker open " + ", ".join(
+            f"{b.op or 'remote'} {b.start_s:,.2f} s → "
+            + (f"{b.end_s:,.2f} s" if b.closed else "end of run (never closed)")
+            for b in inc.breaker.itertuples(index=False)))
+    if inc.remote_errors_from:
+        bits.append(f"remote errors from {inc.remote_errors_from}")
+    bits.append(f"windows of {summary.window_ns / 1e9:g} s by arrival; evictions by event time")
+    st.caption("; ".join(bits) + ".")
+
+
 def main() -> None:
     st.title("Overview")
     sel = common.selected_run()
@@ -60,21 +121,16 @@ def main() -> None:
         return
     summary = data.ttft_summary(sel.path, sel.version)
     ttft = summary.stage("ttft")
-    cols = st.columns(5)
-    cols[0].metric("Requests with a first token", f"{summary.requests:,}")
-    cols[1].metric("Without a first token", f"{summary.without_first_token:,}")
-    cols[2].metric("TTFT p50", fmt_ns(ttft.get("p50_ns")))
-    cols[3].metric("TTFT p99", fmt_ns(ttft.get("p99_ns")))
-    cols[4].metric("Stage violations", f"{summary.violations:,}")
+    _headline(sel, summary)
     if summary.derived:
         st.info(f"{summary.derived:,} / {summary.requests:,} requests have stages derived from "
                 "overlapping activity spans (sweep line), not recorded state spans.")
     if not summary.requests:
         st.warning("No request produced a first token: no TTFT to show.")
-    else:
-        st.plotly_chart(figures.ttft_over_time(summary.windows,
-                                               origin_ns=data.origin_ns(sel.path, sel.version)),
-                        key="ttft_over_time")
+        _findings(sel)
+        return
+    left, right = st.columns(2)
+    with left:
         group = st.radio("Break the stages down by", list(_GROUPINGS), horizontal=True,
                          key="overview_group")
         grouped = data.ttft_summary(sel.path, sel.version, by=_GROUPINGS[group])
@@ -84,17 +140,23 @@ def main() -> None:
         bars["slowest 1 % (≥ p99)"] = dict(zip(slow["stage"], slow["mean_ns"], strict=True))
         for key, rows in grouped.stages.groupby(by_col, sort=True):
             bars[f"{group}: {key}"] = _means(rows)
-        st.plotly_chart(figures.stage_breakdown(bars), key="stage_breakdown")
-        table = summary.stages.loc[summary.stages["stage"].isin([*TTFT_STAGES, "ttft",
-                                                                 "hidden_load"])]
-        st.dataframe(pd.DataFrame({
-            "stage": table["stage"],
-            "p50": table["p50_ns"].map(fmt_ns), "p90": table["p90_ns"].map(fmt_ns),
-            "p99": table["p99_ns"].map(fmt_ns), "mean": table["mean_ns"].map(fmt_ns),
-            "time / all requests' TTFT": [_time_share(t, ttft.get("total_ns"))
-                                           for t in table["total_ns"]],
-        }), hide_index=True, key="stage_table")
+        st.plotly_chart(figures.stage_breakdown(bars, title="Where TTFT went: mean by stage"),
+                        key="stage_breakdown")
+    _sources(sel, right)
+    _incidents(sel, summary)
     _findings(sel)
+    st.plotly_chart(figures.ttft_over_time(summary.windows,
+                                           origin_ns=data.origin_ns(sel.path, sel.version)),
+                    key="ttft_over_time")
+    table = summary.stages.loc[summary.stages["stage"].isin([*TTFT_STAGES, "ttft",
+                                                             "hidden_load"])]
+    st.dataframe(pd.DataFrame({
+        "stage": table["stage"],
+        "p50": table["p50_ns"].map(fmt_ns), "p90": table["p90_ns"].map(fmt_ns),
+        "p99": table["p99_ns"].map(fmt_ns), "mean": table["mean_ns"].map(fmt_ns),
+        "time / all requests' TTFT": [_time_share(t, ttft.get("total_ns"))
+                                       for t in table["total_ns"]],
+    }), hide_index=True, key="stage_table")
 
 
 main()

@@ -72,8 +72,10 @@ def main() -> None:
                    "were resolved by the sweep line.")
     if bool(p["derived"]):
         st.info("Stages derived from overlapping activity spans (no recorded state spans).")
+    first = None if pd.isna(r.get("first_token_ns")) else int(r["first_token_ns"])
     st.plotly_chart(figures.request_waterfall(spans, int(r["arrival_ns"]),
-                                              title=f"{request_id}: stages and transfers"),
+                                              title=f"{request_id}: stages and transfers",
+                                              first_token_ns=first),
                     key="request_waterfall")
     if pd.notna(p["ttft_ns"]):
         st.dataframe(pd.DataFrame({
@@ -83,8 +85,19 @@ def main() -> None:
     transfers = spans.loc[spans["kind"] == "activity"]
     if len(transfers):
         with st.expander(f"Activity spans ({len(transfers)})"):
-            st.dataframe(transfers[["name", "tier", "start_ns", "end_ns", "tokens", "bytes",
-                                    "transfer_id", "request_id"]], hide_index=True)
+            arrival = int(r["arrival_ns"])
+            shown = pd.DataFrame({
+                "name": transfers["name"], "tier": transfers["tier"],
+                "start (ms since arrival)": (transfers["start_ns"] - arrival) / 1e6,
+                "duration (ms)": (transfers["end_ns"] - transfers["start_ns"]) / 1e6,
+                "tokens": transfers["tokens"], "bytes": transfers["bytes"],
+                "transfer_id": transfers["transfer_id"], "request_id": transfers["request_id"],
+            })
+            ms = st.column_config.NumberColumn(format="%.3f")
+            st.dataframe(shown, hide_index=True, column_config={
+                "start (ms since arrival)": ms, "duration (ms)": ms,
+                "tokens": st.column_config.NumberColumn(format="localized"),
+                "bytes": st.column_config.NumberColumn(format="localized")})
     _accounting(sel, request_id)
 
 

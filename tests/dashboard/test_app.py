@@ -148,17 +148,34 @@ def test_compare_is_offered_only_with_two_runs(golden: Path) -> None:
 def test_overview_shows_the_partition_summary_and_findings(golden: Path) -> None:
     run = open_run(golden)
     summary = summarize(partition(run.requests, run.spans))
+    acct = token_accounting(run.requests)
     at = app([golden], "overview")
     metrics = {m.label: m.value for m in at.metric}
+    hit = acct.ratio("token_hit_share")
     assert metrics == {
         "Requests with a first token": "9", "Without a first token": "1",
         "TTFT p50": fmt_ns(summary.stage("ttft")["p50_ns"]),
-        "TTFT p99": fmt_ns(summary.stage("ttft")["p99_ns"]), "Stage violations": "0"}
+        "TTFT p99": fmt_ns(summary.stage("ttft")["p99_ns"]),
+        "Token hit share": f"{100 * hit.value:.1f} %",
+        "Failed-load tokens": f"{acct.totals['load_failed_tokens']:,}"}
+    assert f"{hit.numerator:,} / {hit.denominator:,} {hit.unit}" in texts(at)
+    # Where the KV came from, beside where TTFT went.
+    sources = chart(at, "Where the prompt tokens' KV came from")
+    assert [t["x"][0] for t in sources["data"]] == [
+        acct.totals[f"{s}_tokens"] for s in ("device_hit", "host_loaded", "remote_loaded",
+                                             "recomputed")]
+    # Failures, breaker and evictions on TTFT's time axis.
+    inc = chart(at, "TTFT, failures, breaker and evictions on one time axis")
+    names = [t["name"] for t in inc["data"]]
+    assert names[:2] == ["TTFT p50", "TTFT p99"]
+    assert {"failed requests", "requests with a failed load", "evicted blocks",
+            "breaker open"} <= set(names)
+    assert any(s.get("type") == "rect" for s in inc["layout"]["shapes"])  # breaker shaded
     over_time = chart(at, "TTFT percentiles over time")
     assert [t["name"] for t in over_time["data"]] == ["ttft p50", "ttft p90", "ttft p99"]
     assert len(over_time["data"][0]["x"]["bdata"] if isinstance(over_time["data"][0]["x"], dict)
                else over_time["data"][0]["x"]) > 0
-    bars = chart(at, "Mean TTFT by stage")
+    bars = chart(at, "Where TTFT went: mean by stage")
     assert [t["name"] for t in bars["data"]] == ["lookup", "queue", "remote_read", "h2d",
                                                  "sync", "prefill", "other"]
     assert list(bars["data"][0]["x"]) == ["all", "slowest 1 % (≥ p99)", "hit class: cold",
@@ -175,7 +192,7 @@ def test_overview_groups_by_the_chosen_column(golden: Path) -> None:
     at = app([golden], "overview")
     at.radio(key="overview_group").set_value("tenant").run()
     assert not at.exception
-    assert list(chart(at, "Mean TTFT by stage")["data"][0]["x"])[2:] == [
+    assert list(chart(at, "Where TTFT went")["data"][0]["x"])[2:] == [
         "tenant: acme", "tenant: globex"]
 
 
@@ -253,7 +270,10 @@ def test_hardware_page_shares_the_time_axis(golden: Path) -> None:
     assert fig["layout"]["xaxis3"]["title"]["text"] == "seconds since run start"
     names = [t["name"] for t in fig["data"]]
     assert names[:3] == ["TTFT p50", "TTFT p90", "TTFT p99"]
-    assert "nic eth0 nic_receive_bytes_per_second" in names
+    assert "eth0 receive" in names  # entity + short metric name, not "nic eth0 nic_…"
+    # Each row's axis in its metric's unit (bytes per second), not Plotly's "25.3B".
+    assert fig["layout"]["yaxis2"]["ticksuffix"] == "B/s"
+    assert fig["layout"]["yaxis2"]["tickformat"] == "~s"
 
 
 @pytest.fixture(scope="module")
@@ -295,7 +315,7 @@ def test_compare_page_shows_the_verdict(golden: Path, engine_run: Path) -> None:
     pa_, pb_ = partition(a.requests, a.spans), partition(b.requests, b.spans)
     expected = compare_frames(pa_, token_accounting(a.requests), pb_,
                               token_accounting(b.requests), a_label="golden",
-                              b_label=b.meta["run_id"], n_boot=1000)
+                              b_label=b.meta["run_id"], n_boot=2000)  # the CLI's
     assert at.info[0].value == expected.verdict
     stages = table(at, "A p99")
     assert list(stages["stage"]) == list(expected.stages["stage"])
@@ -313,6 +333,10 @@ def test_compare_page_shows_the_verdict(golden: Path, engine_run: Path) -> None:
 def test_a_second_run_is_picked_in_the_sidebar(golden: Path, engine_run: Path) -> None:
     at = app([golden, engine_run], "overview")
     assert at.caption[0].value.startswith("golden · ")
-    at.sidebar.selectbox(key="kvscope_selected_run").set_value(str(engine_run)).run()
+    # The selector lists the runs by the label the captions and legends use (the run id).
+    picker = at.sidebar.selectbox(key="kvscope_selected_run")
+    run_id = open_run(engine_run).meta["run_id"]
+    assert picker.options == ["golden", run_id]
+    picker.set_value(run_id).run()
     assert not at.exception
     assert " · run store · 6 requests" in at.caption[0].value

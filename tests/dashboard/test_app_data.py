@@ -144,3 +144,132 @@ def test_thin_keeps_the_extremes_of_every_bucket() -> None:
     assert long["ts_ns"].is_monotonic_increasing
     assert len(out.loc[out["metric"] == "short"]) == 10  # short series untouched
     assert data.thin(other, max_points=100) is other
+
+
+def _pool_run(tmp_path: Path) -> str:
+    """Block states of the device and host pools (≤ 96 blocks) beside the end-of-run tier
+    counters the engine also records as source ``pool`` (bytes up to millions), remote error
+    counters over time, breaker events and evictions."""
+    w = RunStoreWriter(tmp_path / "run", run_id="pool", config={"x": 1})
+    t0 = w.anchor.wall_ns + 10**8  # run.json's start_ns: the run's time origin
+    rows = [
+        (t0, "pool", "device", "in_use", 90.0, "blocks"),
+        (t0, "pool", "device", "empty", 6.0, "blocks"),
+        (t0, "pool", "host", "cached_free", 32.0, "blocks"),
+        (t0 + 2 * 10**9, "pool", "host", "bytes_written", 10_485_760.0, None),
+        (t0 + 2 * 10**9, "pool", "remote", "ops_write", 541.0, None),
+        (t0 + 2 * 10**9, "pool", "host", "evictions", 810.0, None),
+        (t0, "pool", "remote", "remote_read_error", 1.0, "operations"),
+        (t0 + 10**9, "pool", "remote", "remote_read_error", 4.0, "operations"),
+        (t0, "host", "host", "host_memory_total_bytes", 6.4e10, "bytes"),
+        (t0 + 10**9, "host", "host", "host_memory_total_bytes", 6.4e10, "bytes"),
+        (t0, "host", "host", "host_cpu_utilization_ratio", 0.2, "ratio"),
+        (t0 + 10**9, "host", "host", "host_cpu_utilization_ratio", 0.9, "ratio"),
+        (t0, "host", "host", "host_memory_used_bytes", 1e9, "bytes"),
+        (t0 + 10**9, "host", "host", "host_memory_used_bytes", 2e9, "bytes"),
+    ]
+    w.write("samples", pa.table({k: [r[i] for r in rows] for i, k in enumerate(
+        ("ts_ns", "source", "entity", "metric", "value", "unit"))}, schema=TABLES["samples"]))
+    ev = [(t0 + 500_000_000, "engine", "eviction", None, '{"blocks": 16, "tier": "device"}'),
+          (t0 + 600_000_000, "remote", "circuit_open", None, '{"op": "read", "failures": 5}'),
+          (t0 + 900_000_000, "remote", "circuit_close", None, '{"op": "read"}'),
+          (t0 + 950_000_000, "nvml", "collector_unavailable", None,
+           '{"collector": "nvml", "reason": "NVML Shared Library Not Found"}')]
+    w.write("events", pa.table({k: [r[i] for r in ev] for i, k in enumerate(
+        ("ts_ns", "source", "name", "request_id", "detail"))}, schema=TABLES["events"]))
+    w.close()
+    return str(tmp_path / "run")
+
+
+def test_pool_states_are_blocks_and_counters_are_a_table(tmp_path: Path) -> None:
+    path = _pool_run(tmp_path)
+    v = data.run_version(path)
+    states = data.pool_states(path, v)
+    assert set(states["unit"]) == {"blocks"} and states["value"].max() <= 96
+    assert sorted(set(zip(states["entity"], states["metric"], strict=True))) == [
+        ("device", "empty"), ("device", "in_use"), ("host", "cached_free")]
+    fig = figures.pool_states(states, origin_ns=0)
+    assert fig.layout.yaxis.title.text == "blocks"
+    counters = data.pool_counters(path, v)
+    got = {(e, c): (val, u) for e, c, val, u in counters.itertuples(index=False)}
+    assert got[("host", "bytes_written")] == (10_485_760.0, "bytes")
+    assert got[("remote", "ops_write")] == (541.0, "operations")
+    assert got[("host", "evictions")] == (810.0, "blocks")
+    assert got[("remote", "remote_read_error")] == (4.0, "operations")  # the last sample
+
+
+def test_events_table_is_seconds_since_start_and_fields(tmp_path: Path) -> None:
+    path = _pool_run(tmp_path)
+    v = data.run_version(path)
+    table = data.events_table(path, v, "eviction")
+    origin = data.origin_ns(path, v)
+    assert list(table.columns) == ["t (s since start)", "source", "request", "blocks", "tier"]
+    row = table.iloc[0]
+    ts = int(data.events_named(path, v, "eviction")["ts_ns"].iloc[0])
+    assert row["t (s since start)"] == (ts - origin) / 1e9
+    assert (row["blocks"], row["tier"]) == (16, "device")
+    assert "ts_ns" not in table and "detail" not in table
+
+
+def test_incidents_put_failures_breaker_and_evictions_on_the_time_axis(tmp_path: Path
+                                                                        ) -> None:
+    path = _pool_run(tmp_path)
+    v = data.run_version(path)
+    inc = data.incidents(path, v)
+    origin = data.origin_ns(path, v)
+    assert int(inc.windows["evicted_blocks"].sum()) == 16
+    assert int(inc.windows["remote_errors"].sum()) == 4  # 1, then 3 more
+    assert inc.remote_errors_from is not None and "remote_<op>_error" in inc.remote_errors_from
+    b = inc.breaker.iloc[0]
+    assert b["op"] == "read" and bool(b["closed"])
+    opened = data.events_named(path, v, "circuit_open")["ts_ns"].iloc[0]
+    closed = data.events_named(path, v, "circuit_close")["ts_ns"].iloc[0]
+    assert np.isclose(b["start_s"], (int(opened) - origin) / 1e9)
+    assert np.isclose(b["end_s"], (int(closed) - origin) / 1e9)
+    assert inc.any
+    assert data.collector_notes(path, v) == {"nvml": "NVML Shared Library Not Found"}
+
+
+def test_hardware_defaults_skip_constants_and_axes_carry_units(tmp_path: Path) -> None:
+    path = _pool_run(tmp_path)
+    series = data.hardware_series(path, data.run_version(path))
+    assert data.default_hardware_metrics(series) == ["host_cpu_utilization_ratio",
+                                                     "host_memory_used_bytes"]
+    fig = figures.hardware(pd.DataFrame(), series, ["host_cpu_utilization_ratio",
+                                                    "host_memory_used_bytes"], origin_ns=0)
+    assert [t.name for t in fig.data] == ["host cpu utilization", "host memory used"]
+    assert fig.layout.yaxis2.tickformat.endswith("%")
+    assert (fig.layout.yaxis3.tickformat, fig.layout.yaxis3.ticksuffix) == ("~s", "B")
+    assert figures.short_metric("nic", "nic_receive_bytes_per_second") == "receive"
+    assert figures.short_metric("nvml", "gpu_pcie_receive_bytes_per_second") == "pcie receive"
+
+
+def test_waterfall_marks_the_first_token_and_heatmap_has_a_scale_title() -> None:
+    spans = pd.DataFrame({"kind": ["state"], "name": ["prefill"], "start_ns": [0],
+                          "end_ns": [2_000_000], "tier": [None], "bytes": [None]})
+    fig = figures.request_waterfall(spans, 0, title="t", first_token_ns=2_000_000)
+    assert [s.x0 for s in fig.layout.shapes] == [2.0]
+    assert fig.layout.annotations[0].text == "first token 2.000 ms"
+    assert fig.layout.legend.orientation == "v"  # beside the plot, not over the axis title
+    table = pd.DataFrame({"layer": [0], "prompt_tokens": [10], **{
+        f"{k}_{c}": [v] for k, v in (("hit", 5), ("loaded", 3), ("recomputed", 2))
+        for c in ("tokens",)}, "hit_share": [0.5], "loaded_share": [0.3],
+        "recomputed_share": [0.2]})
+    heat = figures.layer_heatmap(table)
+    assert "share of prompt" in heat.data[0].colorbar.title.text
+
+
+def test_compare_uses_the_clis_resamples() -> None:
+    import inspect
+
+    from analyzers.compare import compare_frames
+
+    assert inspect.signature(compare_frames).parameters["n_boot"].default == data.N_BOOT
+    assert data.N_BOOT == 2000
+
+
+def test_one_label_per_run(tmp_path: Path) -> None:
+    path = _pool_run(tmp_path)
+    assert data.run_labels((path, str(GOLDEN_RUN))) == ["pool", "golden"]
+    assert data.run_labels((str(GOLDEN_RUN), str(GOLDEN_RUN))) == [str(GOLDEN_RUN),
+                                                                   f"{GOLDEN_RUN} #2"]
