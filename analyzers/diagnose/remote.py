@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pandas as pd
 
+from agent.intervals import union_length
 from analyzers import frames as F
 from analyzers.diagnose.model import (
     Context,
@@ -189,7 +190,9 @@ def remote_breaker_open(ctx: Context) -> Finding | NotEvaluated | None:
     start = ctx.origin_ns
     span = max(1, end - start)
     per_op = (iv.assign(d=iv["end_ns"] - iv["start_ns"]).groupby("op")["d"].agg(["sum", "size"]))
-    open_ns = int((iv["end_ns"] - iv["start_ns"]).sum())
+    # The time any breaker was open: the union over operations (a read and a write breaker
+    # open at once count once), never more than the run.
+    open_ns = min(span, union_length(F.ints(iv["start_ns"]), F.ints(iv["end_ns"])))
     co = ctx.tokens("load_failed_circuit_open_tokens")
     met = ctx.known(("load_failed_circuit_open_tokens",)) & (co > 0)
     ops = remote_operation_counts(ctx.samples)

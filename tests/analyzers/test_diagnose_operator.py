@@ -136,6 +136,15 @@ def test_breaker_open_time_and_the_requests_it_turned_away() -> None:
         "run's start"
     assert set(f.requests) == {"r010", "r011", "r012", "r013"}
     assert one("remote_breaker_open", req, spans, events=ev([])) is None
+    # Read and write breakers open at the same time: the time any was open counts once, and
+    # never more than the run (the title's share stays <= 100 %).
+    both = ev([(T0 + 100 * MS, "circuit_open", {"op": "read"}),
+               (T0 + 200 * MS, "circuit_open", {"op": "write"}),
+               (T0 + 1500 * MS, "circuit_close", {"op": "read"})])
+    f = one("remote_breaker_open", req, spans, events=both, origin_ns=T0)
+    # read 100..1,500 ms, write 200 ms..the end (1,911 ms): union 100..1,911 ms.
+    assert f.metrics["open_ns"] == 1811 * MS
+    assert "(94.8 % of the run)" in f.title  # 1,811 / 1,911 ms
 
 
 # ---- load_serialisation -------------------------------------------------------------------
