@@ -113,8 +113,11 @@ def test_every_column_agrees_on_healthy_warm_fault_preemption_and_tenant_runs(
                 "remote-read-latency=90ms"), **tiers), "fault")
     assert fault["load_failed_tokens"].sum() > 0
 
+    # Preemption without the remote: with it, remote reads finishing at different times
+    # stagger the admissions, and whether the pool runs out depends on timing.
     pre = _assert_run_is_right(_run(tmp_path / "preempt", num_requests=24, rate=0,
-                                    num_blocks=48, max_num_seqs=16, **tiers), "preemption")
+                                    num_blocks=48, max_num_seqs=16, host_blocks=48),
+                               "preemption")
     assert pre["num_preemptions"].sum() > 0
 
     ten = _assert_run_is_right(_run(tmp_path / "tenants", num_requests=18, rate=0, tenants=3,
