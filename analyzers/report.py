@@ -11,9 +11,10 @@ lacked the data for. JSON carries them under ``findings`` and ``diagnoses``.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from agent.runstore.reader import block_size_of
@@ -42,6 +43,11 @@ REPORT_VERSION = 2
 #: Version of the JSON comparison layout (`kvscope compare --format json`).
 COMPARE_VERSION = 1
 FORMATS = ("text", "markdown", "json")
+#: The events a circuit breaker of the remote tier records (instrumented_engine.tiers.remote).
+BREAKER_EVENTS = ("circuit_open", "circuit_close")
+#: How many slowest-request ids, and breaker events, the text report names.
+LISTED_IDS = 5
+LISTED_EVENTS = 8
 
 
 @dataclass(slots=True)
@@ -60,6 +66,15 @@ class Report:
     #: False when the source carries no token accounting (an imported trace): the accounting
     #: sections then say so instead of printing zeros.
     accounting_known: bool = True
+    #: Ids of the requests at or above the p99 TTFT, slowest first (whole run; not by group).
+    slowest_ids: list[str] = field(default_factory=list)
+    #: Faults run.json says were injected (``--fault`` specs, e.g. ``remote-error-rate=0.5``).
+    faults: list[str] = field(default_factory=list)
+    #: Circuit-breaker changes from the events table: ``{name, op, ts_ns, t_s}`` (t_s: seconds
+    #: since the run's start), in time order.
+    breaker_events: list[dict[str, Any]] = field(default_factory=list)
+    #: Injected-fault events (``fault`` events of the remote tier) by kind.
+    fault_events: dict[str, int] = field(default_factory=dict)
 
 
 def build_report(store: Any, *, diagnose: bool = True, by: str | None = None,
@@ -111,7 +126,122 @@ def build_report(store: Any, *, diagnose: bool = True, by: str | None = None,
                                       kv_bytes_per_block=kv_bytes_per_block_of(meta)),
         diagnoses=diag,
         accounting_known=_accounting_known(req),
+        slowest_ids=_slowest_ids(part),
+        faults=_injected_faults(meta.get("config")),
+        breaker_events=_breaker_events(getattr(store, "events", None), origin),
+        fault_events=_fault_events(getattr(store, "events", None)),
     )
+
+
+def _slowest_ids(part: pd.DataFrame) -> list[str]:
+    """The requests at or above the p99 TTFT (the same threshold `summarize` uses), slowest
+    first."""
+    if not len(part) or "ttft_ns" not in part:
+        return []
+    served = part.loc[part["ttft_ns"].notna(), ["request_id", "ttft_ns"]]
+    if not len(served):
+        return []
+    ttft = served["ttft_ns"].astype("float64").to_numpy()
+    slow = served.loc[ttft >= np.quantile(ttft, 0.99)]
+    slow = slow.assign(_t=slow["ttft_ns"].astype("float64")).sort_values(
+        ["_t", "request_id"], ascending=[False, True], kind="stable")
+    return [str(x) for x in slow["request_id"].tolist()]
+
+
+def _injected_faults(config: Any) -> list[str]:
+    """The ``--fault`` specs run.json records (config.options.faults and
+    config.tiers.remote.faults), each once, in order."""
+    def sub(d: Any, key: str) -> Any:
+        return d.get(key) if isinstance(d, dict) else None
+
+    found: list[str] = []
+    for src in (sub(sub(config, "options"), "faults"),
+                sub(sub(sub(config, "tiers"), "remote"), "faults")):
+        if isinstance(src, str):
+            src = [src]
+        for x in src if isinstance(src, list | tuple) else ():
+            if str(x) not in found:
+                found.append(str(x))
+    return found
+
+
+def _events_named(events: Any, names: tuple[str, ...]) -> pd.DataFrame | None:
+    if not isinstance(events, pd.DataFrame) or not len(events) or not {
+            "name", "ts_ns"} <= set(events.columns):
+        return None
+    ev = events.loc[events["name"].isin(names) & events["ts_ns"].notna()]
+    return ev.sort_values("ts_ns", kind="stable") if len(ev) else None
+
+
+def _detail(d: Any) -> dict[str, Any]:
+    if isinstance(d, dict):
+        return d
+    if isinstance(d, str):
+        try:
+            v = json.loads(d)
+        except ValueError:
+            return {}
+        return v if isinstance(v, dict) else {}
+    return {}
+
+
+def _breaker_events(events: Any, origin_ns: int) -> list[dict[str, Any]]:
+    """The remote tier's circuit_open / circuit_close events, in time order."""
+    ev = _events_named(events, BREAKER_EVENTS)
+    if ev is None:
+        return []
+    details = ev["detail"].tolist() if "detail" in ev else [None] * len(ev)
+    return [{"name": str(name), "op": str(_detail(d).get("op", "read")), "ts_ns": int(t),
+             "t_s": (int(t) - origin_ns) / 1e9}
+            for name, t, d in zip(ev["name"].tolist(), ev["ts_ns"].tolist(), details,
+                                  strict=True)]
+
+
+def _fault_events(events: Any) -> dict[str, int]:
+    """Injected-fault events (``fault`` from the remote tier's fault injector) by kind."""
+    ev = _events_named(events, ("fault",))
+    if ev is not None and "source" in ev:
+        ev = ev.loc[ev["source"] == "remote"]
+    if ev is None or not len(ev):
+        return {}
+    kinds = [str(_detail(d).get("kind", "unknown kind")) for d in (
+        ev["detail"].tolist() if "detail" in ev else [None] * len(ev))]
+    return {str(k): int(v) for k, v in pd.Series(kinds).value_counts().sort_index().items()}
+
+
+def _ids_text(ids: list[str]) -> str:
+    """``: r1, r2 and 3 more`` (the first `LISTED_IDS` ids), or nothing."""
+    if not ids:
+        return ""
+    more = f" and {len(ids) - LISTED_IDS:,} more" if len(ids) > LISTED_IDS else ""
+    return ": " + ", ".join(ids[:LISTED_IDS]) + more
+
+
+def _fault_lines(report: Report) -> list[str]:
+    """What was injected into the run and what the breakers did, for the report's top."""
+    lines = []
+    if report.faults:
+        lines.append(f"injected faults: {', '.join(report.faults)}")
+    if report.fault_events:
+        total = sum(report.fault_events.values())
+        kinds = ", ".join(f"{k} {v:,}" for k, v in report.fault_events.items())
+        lines.append(f"injected fault events: {total:,} ({kinds})")
+    ev = report.breaker_events
+    if ev:
+        opens = sum(1 for e in ev if e["name"] == "circuit_open")
+        shown = "; ".join(f"{e['op']} {e['name']} at {fmt_s(e['t_s'])}"
+                          for e in ev[:LISTED_EVENTS])
+        more = (f"; and {len(ev) - LISTED_EVENTS:,} more (all in --format json)"
+                if len(ev) > LISTED_EVENTS else "")
+        last = {e["op"]: e["name"] for e in ev}
+        still = [op for op, name in last.items() if name == "circuit_open"]
+        lines.append(f"breaker events: {len(ev):,} ({opens:,} circuit_open, "
+                     f"{len(ev) - opens:,} circuit_close; seconds since the run's start): "
+                     f"{shown}{more}"
+                     + (f"; still open at the end: {', '.join(still)}" if still else ""))
+    elif report.faults:
+        lines.append("breaker events: none recorded (no remote circuit breaker opened)")
+    return lines
 
 
 def _accounting_known(req: pd.DataFrame) -> bool:
@@ -145,7 +275,9 @@ def render_json(report: Report) -> str:
     violation, ttft_ns, derived}], "accounting": TokenAccounting.to_dict(), "consistency":
     Consistency.to_dict(), "layers": [row], "prefill": {"cost": StepCost.to_dict(), "saved":
     SecondsSaved.to_dict()},
-    "findings": [Finding.to_dict()] | null, "diagnoses": DiagnoseReport.to_dict() | null}``
+    "findings": [Finding.to_dict()] | null, "diagnoses": DiagnoseReport.to_dict() | null,
+    "slowest_request_ids": [id], "injected_faults": [spec], "fault_events": {kind: count},
+    "breaker_events": [{name, op, ts_ns, t_s}]}``
     (``diagnoses`` adds the rules not evaluated, with why, and the rules that passed). Times are
     integer or float ns; NaN is null.
     """
@@ -161,6 +293,10 @@ def render_json(report: Report) -> str:
         "findings": None if report.diagnoses is None else [f.to_dict() for f in
                                                            report.diagnoses.findings],
         "diagnoses": None if report.diagnoses is None else report.diagnoses.to_dict(),
+        "slowest_request_ids": list(report.slowest_ids),
+        "injected_faults": list(report.faults),
+        "fault_events": dict(report.fault_events),
+        "breaker_events": list(report.breaker_events),
     }
     return json.dumps(_clean(doc), indent=2, allow_nan=False) + "\n"
 
@@ -194,6 +330,7 @@ def render_doc(report: Report, *, markdown: bool = False) -> str:
                f"from activity spans")
     if r["gaps"]:
         out.append(f"gaps in the store: {'; '.join(r['gaps'])}")
+    out.extend(_fault_lines(report))
 
     head(f"TTFT breakdown ({s.requests:,} requests)")
     table(_stage_rows(s))
@@ -208,8 +345,8 @@ def render_doc(report: Report, *, markdown: bool = False) -> str:
         n_slow = int(slow["requests"].iloc[0])
         out.append("")
         out.append(f"Slowest requests (TTFT >= p99 {fmt_ns(slow['threshold_ns'].iloc[0])}, "
-                   f"{n_slow:,} request{'s' if n_slow != 1 else ''}) spent their time on: "
-                   f"{spent}")
+                   f"{n_slow:,} request{'s' if n_slow != 1 else ''}"
+                   f"{_ids_text(report.slowest_ids)}) spent their time on: {spent}")
     if len(s.windows) > 1:
         head(f"TTFT over time ({fmt_ns(s.window_ns)} windows by arrival)")
         table(_window_rows(s))
@@ -303,17 +440,28 @@ def _accounting_section(report: Report, out: list[str], head: Any, table: Any,
 def _stage_rows(s: TTFTSummary) -> Table:
     st = s.stages
     group_cols = list(s.by)
+    # --by: each group's size (its requests with a first token, from its TTFT row).
+    sizes: dict[tuple[str, ...], int] = {}
+    if group_cols and "requests" in st:
+        for x in st.loc[st["stage"] == "ttft"].itertuples(index=False):
+            d = x._asdict()
+            sizes[tuple(str(d[c]) for c in group_cols)] = int(d["requests"])
+    size_col = ["requests"] if sizes else []
     rows = []
     for x in st.itertuples(index=False):
         d = x._asdict()
         label = {"ttft": "TTFT", "hidden_load": "(hidden load)"}.get(d["stage"], d["stage"])
         share = "" if d["stage"] == "ttft" else fmt_pct(d["share_mean"])
-        rows.append([*(str(d[c]) for c in group_cols), label,
+        key = tuple(str(d[c]) for c in group_cols)
+        n = [f"{sizes[key]:,}" if key in sizes else ""] if size_col else []
+        rows.append([*key, *n, label,
                      fmt_ns(d["p50_ns"]), fmt_ns(d["p90_ns"]), fmt_ns(d["p99_ns"]),
                      fmt_ns(d["mean_ns"]), share,
                      "" if d["stage"] == "ttft" else fmt_pct(d["share_of_total"])])
-    return Table([*group_cols, "stage", "p50", "p90", "p99", "mean", "share", "of total"], rows,
-                 align="l" * (len(group_cols) + 1) + "r" * 6)
+    return Table([*group_cols, *size_col, "stage", "p50", "p90", "p99", "mean", "share",
+                  "of total"], rows,
+                 align="l" * len(group_cols) + "r" * len(size_col) + "l" + "r" * 6,
+                 keys=len(group_cols) + len(size_col) + 1)
 
 
 def _consistency_line(c: Consistency) -> str:
@@ -510,8 +658,8 @@ def _ratio_text(row: Any, side: str) -> str:
 
 def render_import(imp: Any, report: Report | None, fmt: str) -> str:
     """`kvscope analyze FILE`: what an importer could and could not derive, the source's own
-    ratios (with *their* denominators) and latency distributions, then — when the source has
-    per-request rows — the usual report over them.
+    ratios (with *their* denominators), its distributions and totals, then — when the source
+    has per-request rows — the usual report over them.
 
     Args:
         imp: an `analyzers.importers.ImportedRun`.
@@ -521,7 +669,7 @@ def render_import(imp: Any, report: Report | None, fmt: str) -> str:
     if fmt == "json":
         doc = json.loads(render_json(report)) if report is not None else {
             "kvscope_report": REPORT_VERSION}
-        doc["import"] = _clean(imp.to_dict())
+        doc["import"] = _clean_import(imp.to_dict())
         return json.dumps(doc, indent=2, allow_nan=False, default=str) + "\n"
     markdown = fmt == "markdown"
     out: list[str] = []
@@ -529,44 +677,188 @@ def render_import(imp: Any, report: Report | None, fmt: str) -> str:
     def head(title: str) -> None:
         out.extend(["", f"## {title}", ""] if markdown else ["", title, "-" * len(title)])
 
+    def table(t: Table) -> None:
+        out.extend(md_table(t) if markdown else text_table(t, indent=2))
+
     title = f"kvscope analyze: {imp.path} (imported: {imp.source})"
     out.append(f"# {title}" if markdown else title)
-    out.append(f"{len(imp.requests):,} requests, {len(imp.spans):,} spans; partition "
-               f"{'derived' if imp.partition_derived else 'as recorded'}")
+    n_req, n_spans = len(imp.requests), len(imp.spans)
+    line = f"{n_req:,} requests, {n_spans:,} spans"
+    if n_req:
+        line += f"; partition {'derived' if imp.partition_derived else 'as recorded'}"
+    out.append(line)
+    if not imp.can:
+        out.append("nothing was derived from this file: what it lacks is listed under "
+                   "cannot below")
     for label, notes in (("derived", imp.derived), ("can", imp.can),
                          ("cannot", imp.cannot)):
         for n in notes:
             out.append(f"- {label}: {n}")
     if imp.ratios:
         head("Ratios as the source defines them")
-        rows = []
-        for r in imp.ratios:
-            num, den = r.get("numerator"), r.get("denominator")
-            if num is not None and den:
-                val = f"{num:,.0f} / {den:,.0f} {r.get('denominator_unit') or ''} " \
-                      f"({100 * num / den:.1f} %)"
-            else:
-                val = f"{r.get('value')} (denominator unknown)"
-            rows.append([str(r.get("name")), val, str(r.get("note") or "")])
-        t = Table(["ratio", "value", "note"], rows, align="lll")
-        out.extend(md_table(t) if markdown else text_table(t, indent=2))
+        rows = [[str(r.get("name")), _import_ratio(r), str(r.get("note") or "")]
+                for r in imp.ratios]
+        table(Table(["ratio", "value", "note"], rows, align="lll"))
     dist = imp.distributions
     if dist is not None and len(dist):
-        head("Latency distributions (from histogram buckets)")
-        rows = [[str(d.metric), str(d.stage or "-"), _num(d.count), _sec(d.p50), _sec(d.p90),
-                 _sec(d.p99), str(d.note or "")] for d in dist.itertuples()]
-        t = Table(["metric", "stage", "count", "p50", "p90", "p99", "note"], rows,
-                  align="llrrrrl")
-        out.extend(md_table(t) if markdown else text_table(t, indent=2))
+        head("Latency distributions (from histogram buckets; token histograms in tokens)")
+        rows = []
+        for d in dist.itertuples():
+            unit = "" if _missing(d.unit) else str(d.unit)
+            rows.append([str(d.metric), "-" if _missing(d.stage) else str(d.stage),
+                         _num(d.count), *(_in_unit(v, unit) for v in (d.mean, d.p50, d.p90,
+                                                                        d.p99)),
+                         str(d.note or "")])
+        table(Table(["metric", "stage", "count", "mean", "p50", "p90", "p99", "note"], rows,
+                    align="llrrrrrl"))
+    _import_summary(imp, out, head, table)
     text = "\n".join(out) + "\n"
     if report is not None:
-        text += "\n" + render(report, fmt)
-    return text
+        # An import has no run id: name the file instead of printing "run None".
+        shown = replace(report, run={**report.run, "run_id": report.run.get("run_id")
+                                     or imp.path.name})
+        text += "\n" + render(shown, fmt)
+    # A name from the file may hold a lone surrogate (the standard library's JSON parser
+    # accepts "\udc80"): escape it rather than fail writing the report.
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _clean_import(v: Any) -> Any:
+    """An import's dict for JSON: NaN → null; ±inf (a gauge may read +Inf) → "+Inf"/"-Inf",
+    the exposition format's spelling, since JSON has no infinity."""
+    if isinstance(v, float):
+        if v != v:
+            return None
+        if v in (float("inf"), float("-inf")):
+            return "+Inf" if v > 0 else "-Inf"
+        return v
+    if isinstance(v, dict):
+        return {k: _clean_import(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_clean_import(x) for x in v]
+    return v
+
+
+def _missing(v: Any) -> bool:
+    return v is None or (isinstance(v, float) and v != v) or v is pd.NA
 
 
 def _num(v: Any) -> str:
-    return "-" if v is None or pd.isna(v) else f"{v:,.0f}"
+    return "-" if _missing(v) or pd.isna(v) else f"{v:,.0f}"
 
 
 def _sec(v: Any) -> str:
-    return "-" if v is None or pd.isna(v) else fmt_ns(float(v) * 1e9)
+    return "-" if _missing(v) or pd.isna(v) else fmt_ns(float(v) * 1e9)
+
+
+def _in_unit(v: Any, unit: str) -> str:
+    """A histogram value in its metric's unit: seconds as durations, tokens as tokens."""
+    if _missing(v) or pd.isna(v):
+        return "-"
+    v = float(v)
+    if unit == "seconds":
+        return fmt_ns(v * 1e9)
+    digits = f"{v:,.0f}" if abs(v) >= 100 or v == int(v) else f"{v:,.3g}"
+    if unit == "tokens":
+        return f"{digits} tokens"
+    if unit == "bytes":
+        return f"{digits} B"
+    return digits
+
+
+def _import_ratio(r: dict[str, Any]) -> str:
+    """A source's ratio: numerator / denominator (unit) and the share, or why there is none."""
+    num, den, val = r.get("numerator"), r.get("denominator"), r.get("value")
+    unit = r.get("denominator_unit") or ""
+    if num is not None and den:
+        return f"{num:,.0f} / {den:,.0f} {unit} ({fmt_pct(num / den)})"
+    if den == 0:
+        why = r.get("undefined") or "the denominator is 0"
+        return f"{num or 0:,.0f} / 0 {unit} (n/a: {why})"
+    if num is not None:
+        return f"{num:,.0f} / ? (n/a: no denominator in the source)"
+    if val is None:
+        return "n/a (see note)"
+    return f"{fmt_pct(val, digits=2)} (denominator unknown)"
+
+
+def _import_summary(imp: Any, out: list[str], head: Any, table: Any) -> None:
+    """The import's totals in text (copies by direction, GPU activity, NVTX ranges, ...);
+    JSON has them under ``import.summary``."""
+    s = imp.summary or {}
+    lines: list[str] = []
+
+    def activity(label: str, v: Any) -> None:
+        if isinstance(v, dict) and v.get("count"):
+            lines.append(f"{label}: {v['count']:,}, {fmt_ns(v.get('total_ns'))} in total")
+
+    if "events" in s:
+        lines.append(f"trace events: {s['events']:,}")
+    if s.get("categories"):
+        lines.append("events by category: " + ", ".join(
+            f"{k} {v:,}" for k, v in sorted(s["categories"].items(), key=lambda kv: -kv[1])))
+    for key, label in (("kernels", "kernels"), ("cuda_runtime", "CUDA runtime calls"),
+                       ("runtime", "CUDA runtime calls"), ("cuda_sync", "CUDA syncs"),
+                       ("gpu_memset", "memsets")):
+        activity(label, s.get(key))
+    if isinstance(s.get("sync"), dict):
+        for kind, v in sorted(s["sync"].items()):
+            activity(f"syncs ({kind})", v)
+    fl = s.get("flows")
+    if isinstance(fl, dict) and (fl.get("starts") or fl.get("finishes")):
+        lines.append(f"flows: {fl['starts']:,} starts, {fl['finishes']:,} finishes, "
+                     f"{fl['finishes_without_start']:,} finishes without a start")
+    if "session_start_epoch_ns" in s:
+        ep = s["session_start_epoch_ns"]
+        lines.append("session start: " + ("unknown (times are ns since session start)"
+                                          if ep is None else _epoch(ep)))
+    if s.get("base_time_ns") is not None:
+        lines.append(f"trace base time: {_epoch(s['base_time_ns'])}")
+    for key, label in (("other_ns_total", "other"), ("queue_ns_total", "queue"),
+                       ("prefill_ns_total", "prefill")):
+        if key in s:
+            lines.append(f"{label}, all requests: {fmt_ns(s[key])}")
+    if "series" in s:
+        lines.append(f"series in the scrape: {s['series']:,}, "
+                     f"{len(s.get('gauges_and_counters') or {}):,} gauges and counters "
+                     "(in --format json)")
+    sem = s.get("sglang_semantics")
+    if isinstance(sem, dict):
+        lines.append(f"sglang release: {sem.get('versions')} (cache_hit_rate read as "
+                     f"{str(sem.get('cache_hit_rate')).replace('_', ' ')}); {sem.get('ttft')}")
+    if lines:
+        head("Summary")
+        out.extend(lines)
+    mc = s.get("memcpy")
+    if isinstance(mc, dict) and mc:
+        head("Copies by direction")
+        table(Table(["direction", "copies", "with bytes", "without bytes", "bytes", "time"],
+                    [[str(k), f"{v.get('count', 0):,}", _num(v.get("with_bytes")),
+                      _num(v.get("without_bytes")), f"{v.get('bytes', 0):,}",
+                      fmt_ns(v.get("total_ns"))] for k, v in sorted(mc.items())],
+                    align="lrrrrr"))
+        if any(v.get("without_bytes") for v in mc.values()):
+            out.append("bytes: the sum over the copies with bytes; the others' size is unknown")
+    nv = s.get("nvtx_ranges")
+    if isinstance(nv, dict) and nv:
+        top = sorted(nv.items(), key=lambda kv: -kv[1].get("total_ns", 0))
+        head(f"NVTX ranges ({len(nv):,} names)")
+        table(Table(["range", "count", "total time"],
+                    [[k or "(unnamed)", f"{v['count']:,}", fmt_ns(v["total_ns"])]
+                     for k, v in top[:_NVTX_LISTED]], align="lrr"))
+        if len(top) > _NVTX_LISTED:
+            out.append(f"and {len(top) - _NVTX_LISTED:,} more (all in --format json)")
+
+
+_NVTX_LISTED = 20
+
+
+def _epoch(ns: int) -> str:
+    """An epoch-ns instant as UTC date and time (and the ns, for matching other tools)."""
+    from datetime import UTC, datetime
+
+    try:
+        when = datetime.fromtimestamp(ns / 1e9, UTC).strftime("%Y-%m-%d %H:%M:%S.%f UTC")
+    except (OverflowError, OSError, ValueError):
+        when = "out of the calendar's range"
+    return f"{when} ({ns:,} epoch ns)"

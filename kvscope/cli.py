@@ -8,6 +8,7 @@ torch nor pandas.
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
 from typing import Any
 
@@ -47,13 +48,62 @@ def _root() -> None:
     """kvscope: TTFT breakdowns and KV-cache accounting for paged-KV serving engines."""
 
 
+def _markup_escape(text: str) -> str:
+    """`text` with its square brackets escaped for Rich markup (typer renders help as Rich
+    markup, which would eat ``[default: x]``), so that it prints exactly as written."""
+    try:
+        from rich.markup import escape
+    except ImportError:  # typer without rich prints help as plain text
+        return text
+    return escape(text)
+
+
+def reflow(doc: str | None) -> str | None:
+    """A docstring as --help shows it: paragraphs re-flowed (the source's hard line breaks
+    dropped, the terminal wraps) and markup escaped. A paragraph click must keep as written
+    (starting with ``\\b``) is left alone."""
+    if not doc:
+        return doc
+    paras = inspect.cleandoc(doc).split("\n\n")
+    return "\n\n".join(p if p.startswith("\b") else _markup_escape(" ".join(p.split()))
+                       for p in paras if p.strip())
+
+
+def summary(doc: str | None) -> str | None:
+    """The one-line summary of a command in the command list: its docstring's first
+    paragraph, re-flowed."""
+    text = reflow(doc)
+    return None if text is None else text.split("\n\n")[0].replace("\b", "").strip()
+
+
+#: ids of the parameter infos whose help `_escape_params` has escaped (it runs once each).
+_ESCAPED: set[int] = set()
+
+
+def _escape_params(func: Any) -> None:
+    """Escape Rich markup in the help of `func`'s typer options and arguments."""
+    for p in inspect.signature(func).parameters.values():
+        info = p.default
+        help_text = getattr(info, "help", None)
+        if isinstance(help_text, str) and id(info) not in _ESCAPED:
+            _ESCAPED.add(id(info))
+            info.help = _markup_escape(help_text)
+
+
 def _register() -> None:
     for name, module, attr in _COMMANDS:
         obj = getattr(importlib.import_module(module), attr)
         if isinstance(obj, typer.Typer):
-            app.add_typer(obj, name=name)
+            for cmd in obj.registered_commands:
+                if cmd.callback is None:
+                    continue
+                _escape_params(cmd.callback)
+                doc = cmd.help or cmd.callback.__doc__
+                cmd.help, cmd.short_help = reflow(doc), cmd.short_help or summary(doc)
+            app.add_typer(obj, name=name, short_help=summary(obj.info.help))
         else:
-            app.command(name)(obj)
+            _escape_params(obj)
+            app.command(name, help=reflow(obj.__doc__), short_help=summary(obj.__doc__))(obj)
 
 
 _register()

@@ -70,7 +70,7 @@ def detect(path: str | Path) -> str:
     text = head.lstrip(b"\xef\xbb\xbf \t\r\n")
     if text.startswith((b"{", b"[")):
         return _json_kind(p, text)
-    if _is_prometheus(text):
+    if b"\x00" not in head[:4096] and _is_prometheus(text):  # NUL bytes: not text
         return "prometheus"
     kind = "binary data" if b"\x00" in head[:512] or _not_text(head) else "text"
     raise InputError(f"{p}: unrecognised {kind} (expected {EXPECTED})")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import gzip
 import json
+import math
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ from agent.schema import (
     STAGE_PRIORITY,
     TTFT_STAGES,
 )
+from analyzers.units import fmt_ns
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -39,6 +41,10 @@ except ImportError:  # pragma: no cover - depends on the environment
     _orjson = None
 
 GZIP_MAGIC = b"\x1f\x8b"
+INT64_MAX = (1 << 63) - 1
+#: the largest time (epoch ns, or ns since a session start) an import accepts: year 2262 is
+#: where int64 ns end; anything near it is a corrupt field, not a time
+TIME_NS_MAX = 1 << 62
 
 
 @dataclass
@@ -144,10 +150,14 @@ def read_bytes(path: Path) -> bytes:
 
 def parse_json(data: bytes, path: Path) -> Any:
     """Parse JSON bytes (orjson when installed). Cut or invalid JSON → InputError."""
+    if data.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark: not part of the JSON
+        data = data[3:]
     try:
         if _orjson is not None:
             return _orjson.loads(data)
         return json.loads(data)
+    except RecursionError:  # the standard library's parser on deeply nested arrays/objects
+        raise InputError(f"{path}: invalid JSON (nested too deeply)") from None
     except (ValueError, UnicodeDecodeError) as exc:
         # orjson.JSONDecodeError and json.JSONDecodeError are both ValueErrors
         what = "truncated JSON" if _looks_cut(data) else "invalid JSON"
@@ -158,6 +168,93 @@ def parse_json(data: bytes, path: Path) -> Any:
 def _looks_cut(data: bytes) -> bool:
     tail = data.rstrip()[-1:]
     return tail not in (b"}", b"]")
+
+
+# --------------------------------------------------------------------------------------------
+# Reading fields: every per-field problem becomes "<file>: <record>: <field>: what is wrong"
+# --------------------------------------------------------------------------------------------
+
+
+def field_error(path: Path | str, record: str, name: str, what: str) -> InputError:
+    """The one-line error for a bad field: ``<file>: <record>: <field>: <what is wrong>``."""
+    return InputError(f"{path}: {record}: {name}: {what}")
+
+
+def shown(v: Any) -> str:
+    """A value as an error message shows it: its JSON type and (short) content."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float) and not math.isfinite(v):
+        return "NaN" if math.isnan(v) else ("Infinity" if v > 0 else "-Infinity")
+    if isinstance(v, dict):
+        return f"an object ({len(v)} key{'s' if len(v) != 1 else ''})"
+    if isinstance(v, list | tuple):
+        return f"a list ({len(v)} item{'s' if len(v) != 1 else ''})"
+    if isinstance(v, bytes):
+        return f"{len(v)} bytes of binary data"
+    text = repr(v)
+    if len(text) > 40:
+        text = text[:37] + "..."
+    return f"a string {text}" if isinstance(v, str) else text
+
+
+def is_number(v: Any) -> bool:
+    """A JSON number (int or float, not a bool)."""
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def number_field(v: Any, path: Path | str, record: str, name: str, *, lo: float | None = None,
+                 hi: float | None = None) -> float:
+    """A finite JSON number in [lo, hi]; anything else is a `field_error`."""
+    if not is_number(v):
+        raise field_error(path, record, name, f"expected a number, got {shown(v)}")
+    try:
+        f = float(v)
+    except OverflowError:  # an int beyond float range
+        raise field_error(path, record, name, f"{v} is out of range") from None
+    if not math.isfinite(f):
+        raise field_error(path, record, name, f"expected a finite number, got {shown(v)}")
+    if lo is not None and f < lo:
+        raise field_error(path, record, name, f"{v:g} is below {lo:g}")
+    if hi is not None and f > hi:
+        raise field_error(path, record, name, f"{v:g} is out of range (at most {hi:g})")
+    return f
+
+
+def count_field(v: Any, path: Path | str, record: str, name: str,
+                hi: int = INT64_MAX) -> int:
+    """A non-negative integer (an integral float such as ``4096.0`` too) up to `hi`."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        n = v
+    elif isinstance(v, float) and math.isfinite(v) and v.is_integer():
+        n = int(v)
+    else:
+        raise field_error(path, record, name, f"expected an integer, got {shown(v)}")
+    if n < 0:
+        raise field_error(path, record, name, f"{n} is negative")
+    if n > hi:
+        raise field_error(path, record, name, f"{n} is out of range (at most {hi})")
+    return n
+
+
+def int_field(v: Any, path: Path | str, record: str, name: str, *, lo: int = -INT64_MAX,
+              hi: int = INT64_MAX, strings: bool = False) -> int:
+    """An integer in [lo, hi]; with `strings`, a decimal string too (proto3 JSON's int64)."""
+    what = "an integer or a decimal string" if strings else "an integer"
+    if isinstance(v, str) and strings:
+        t = v.strip()
+        if not (t.lstrip("+-").isdigit() and t.isascii()) or len(t) > 24:
+            raise field_error(path, record, name, f"expected {what}, got {shown(v)}")
+        n = int(t)
+    elif isinstance(v, int) and not isinstance(v, bool):
+        n = v
+    else:
+        raise field_error(path, record, name, f"expected {what}, got {shown(v)}")
+    if not lo <= n <= hi:
+        raise field_error(path, record, name, f"{n} is out of range ({lo} .. {hi})")
+    return n
 
 
 # --------------------------------------------------------------------------------------------
@@ -307,9 +404,9 @@ def requests_from_stage_ranges(run: ImportedRun, req: np.ndarray, stage: np.ndar
     run.partition_derived = True
     run.derived.append(
         f"TTFT partition of {n_req} request(s) from {len(stage)} {what} by sweep line "
-        f"(priority {' > '.join(STAGE_PRIORITY[:-1])}); {part.overlap_ns} ns of overlap "
-        f"resolved, {part.other_ns} ns uncovered → other; arrival/first token = hull of the "
-        "request's stage ranges")
+        f"(priority {' > '.join(STAGE_PRIORITY[:-1])}); {fmt_ns(part.overlap_ns)} of overlap "
+        f"resolved, {fmt_ns(part.other_ns)} uncovered → other; arrival/first token = hull of "
+        "the request's stage ranges")
     run.can.append(f"TTFT stages for {n_req} request(s)")
     rows = np.r_[part.req, req[dec]]
     n = len(rows)

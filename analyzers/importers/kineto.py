@@ -12,7 +12,13 @@
   maps request_num → request_id through that run store's requests; elsewhere the id is the
   request_num as a string.
 - `gpu_memcpy` events named ``Memcpy HtoD …`` become activity spans ``h2d`` with their bytes.
-- Kernels, syncs, copies by direction and flows are summarised, not imported row by row.
+- Kernels, runtime calls, syncs, memsets, copies by direction (with and without a ``bytes``
+  argument, counted apart) and flows are summarised, not imported row by row.
+- Categories are matched case-insensitively and by older libkineto's names (``Kernel``,
+  ``Memcpy``, ``Memset``, ``Runtime``, ``Operator``): see `CATEGORIES`.
+- Every field read is checked first: an event that is not an object, a ph/cat/name that is not
+  a string, args that are not an object, a ts/dur that is not a finite number within int64 ns
+  is an InputError ``<file>: traceEvents[<i>]: <field>: ...``, never a traceback or a 0.
 
 Times: ``ts``/``dur`` are µs floats; epoch ns = ``baseTimeNanoseconds`` + ts·1000 when the trace
 has a base, else ts is already epoch µs. Parsing is the cost that matters: orjson when installed,
@@ -21,6 +27,7 @@ then one pass collecting a few columns into numpy arrays, vectorised from there.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,19 +38,40 @@ import numpy as np
 from agent.errors import InputError
 from agent.schema import STATES, STEP_PHASES
 from analyzers.importers.base import (
+    INT64_MAX,
+    TIME_NS_MAX,
     ImportedRun,
     concat_spans,
+    count_field,
+    field_error,
+    is_number,
+    number_field,
     parse_json,
     read_bytes,
     requests_from_stage_ranges,
+    shown,
     spans_frame,
     us_to_ns,
 )
+from analyzers.units import fmt_ns
 
 PREFIX = "kvscope."
 #: traces older than this many µs since the epoch cannot be epoch timestamps (1 day after 1970)
 _EPOCH_FLOOR_US = 86_400 * 1_000_000
 _REQ_KEYS = ("request_num", "request_id", "kvscope.request_num")
+#: a ts or dur (µs) beyond this cannot become int64 ns: 2**62 ns
+_US_MAX = float(TIME_NS_MAX // 1000)
+#: lower-cased `cat` → the category it is read as. PyTorch profiler traces (libkineto's
+#: ActivityType names) write ``kernel``, ``gpu_memcpy``, ``gpu_memset``, ``cuda_runtime``,
+#: ``cuda_sync``, ``cpu_op``, ``user_annotation`` (the files in shared/data/kineto); older
+#: libkineto (its first output_json.cpp) wrote ``Kernel``, ``Memcpy``, ``Memset``, ``Runtime``
+#: and ``Operator``.
+CATEGORIES = {
+    "kernel": "kernel", "gpu_memcpy": "gpu_memcpy", "memcpy": "gpu_memcpy",
+    "gpu_memset": "gpu_memset", "memset": "gpu_memset", "cuda_runtime": "cuda_runtime",
+    "runtime": "cuda_runtime", "cuda_sync": "cuda_sync", "cpu_op": "cpu_op",
+    "operator": "cpu_op", "user_annotation": "user_annotation",
+}
 
 
 @dataclass(slots=True)
@@ -86,6 +114,9 @@ def read_trace(path: str | os.PathLike[str]) -> KinetoTrace:
         except (TypeError, ValueError, OverflowError):
             raise InputError(f"{p}: baseTimeNanoseconds must be an integer, got {base!r}"
                              ) from None
+        if not 0 <= base <= TIME_NS_MAX:
+            raise InputError(f"{p}: baseTimeNanoseconds {base} is out of range (0 .. "
+                             f"{TIME_NS_MAX})")
     return KinetoTrace(doc["traceEvents"], base)
 
 
@@ -96,105 +127,216 @@ def load_kineto(path: Path) -> ImportedRun:
         path: a Chrome-trace JSON written by the PyTorch profiler, optionally gzipped.
     Returns:
         An ImportedRun with state/step spans from ``kvscope.*`` annotations, ``h2d`` activity
-        spans and a `summary` of kernels, syncs, copies and flows.
+        spans and a `summary` of kernels, runtime calls, syncs, copies and flows.
     Raises:
-        InputError: as `read_trace`.
+        InputError: as `read_trace`, and for an event whose fields are not what the Chrome
+            trace format says (``<file>: traceEvents[<i>]: <field>: ...``).
     """
     trace = read_trace(path)
     events: list[Any] = trace.events
     base = trace.base_ns
     run = ImportedRun.empty("kineto", path)
+    ev = _columns(events, path, base or 0)
 
-    # One pass over the events for the category; everything after works on index arrays.
-    cats = np.array([e.get("cat") if isinstance(e, dict) else None for e in events], dtype=object)
-    phs = np.array([e.get("ph") if isinstance(e, dict) else None for e in events], dtype=object)
-    complete = phs == "X"
+    def pick(cat: str) -> np.ndarray:
+        return np.flatnonzero(ev.complete & (ev.cats == cat))
 
-    def pick(cat: str) -> list[dict[str, Any]]:
-        return [events[i] for i in np.flatnonzero(complete & (cats == cat))]
-
-    def times(evs: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
-        ts = np.array([e.get("ts", 0) for e in evs], dtype=np.float64)
-        dur = np.array([e.get("dur", 0) for e in evs], dtype=np.float64)
-        start = us_to_ns(ts)
-        if isinstance(base, int | float):
+    def times(idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        start = us_to_ns(ev.ts[idx])
+        if base is not None:
             start = start + int(base)
-        return start, start + us_to_ns(dur)
+        return start, start + us_to_ns(ev.dur[idx])
 
-    any_ts = next((e.get("ts") for e in events
-                   if isinstance(e, dict) and e.get("ph") == "X"), None)
-    if base is None and any_ts is not None and float(any_ts) < _EPOCH_FLOOR_US:
+    if not len(events):
+        run.cannot.append("everything: the trace holds no events (nothing to import)")
+    elif not ev.complete.any():
+        run.cannot.append(f"durations: none of the {len(events)} event(s) is a complete "
+                          "(ph X) event, so there are no kernels, copies or ranges to read")
+    if base is None and ev.complete.any() and float(ev.ts[ev.complete][0]) < _EPOCH_FLOOR_US:
         run.cannot.append("epoch times: no baseTimeNanoseconds and ts is not epoch µs; "
                           "times are relative to the trace start")
+    renamed = {raw: c for raw, c in ev.spelled.items() if raw != CATEGORIES[raw.lower()]}
+    if renamed:
+        run.derived.append(
+            "categories matched case-insensitively and by their older libkineto names: "
+            + ", ".join(f"{raw} → {CATEGORIES[raw.lower()]} ({c:,})"
+                        for raw, c in sorted(renamed.items())))
 
-    kernels = pick("kernel")
-    k_start, k_end = times(kernels)
-    syncs = pick("cuda_sync")
-    s_start, s_end = times(syncs)
+    def total(cat: str) -> dict[str, int]:
+        start, end = times(pick(cat))
+        return {"count": len(start), "total_ns": int((end - start).sum())}
+
     copies = pick("gpu_memcpy")
     run.summary = {
         "events": len(events),
-        "kernels": {"count": len(kernels), "total_ns": int((k_end - k_start).sum())},
-        "cuda_sync": {"count": len(syncs), "total_ns": int((s_end - s_start).sum())},
-        "memcpy": _copies(copies, times),
-        "flows": _flows(events, phs),
+        "kernels": total("kernel"),
+        "cuda_sync": total("cuda_sync"),
+        "cuda_runtime": total("cuda_runtime"),
+        "gpu_memset": total("gpu_memset"),
+        "memcpy": _copies(copies, ev, times, path),
+        "flows": _flows(events, ev, path),
         "base_time_ns": base,
+        "categories": dict(sorted(ev.spelled.items())),
     }
-    _h2d(run, copies, times)
-    _annotations(run, pick("user_annotation"), times, _run_ids(path))
+    _h2d(run, copies, ev, times)
+    _annotations(run, pick("user_annotation"), ev, times, _run_ids(path), path)
     run.cannot.append("token sources (hits, loads, recompute): accounting columns left <NA>")
-    if run.summary["kernels"]["count"]:
-        run.can.append(f"kernel summary: {len(kernels)} kernels, "
-                       f"{run.summary['kernels']['total_ns']} ns")
+    k = run.summary["kernels"]
+    if k["count"]:
+        run.can.append(f"kernel summary: {k['count']:,} kernels, {fmt_ns(k['total_ns'])} "
+                       "on the GPU")
+    elif len(events):
+        run.cannot.append("kernel summary: no kernel events (cat `kernel`) in this trace")
     return run
 
 
-def _copies(copies: list[dict[str, Any]], times: Any) -> dict[str, dict[str, int]]:
-    if not copies:
+@dataclass(slots=True)
+class _Events:
+    """The fields of every event the importer reads, validated once."""
+
+    cats: np.ndarray  # the category read (CATEGORIES' value), or "" for others
+    complete: np.ndarray  # ph == "X"
+    phs: list[str]
+    names: list[str]
+    args: list[dict[str, Any]]
+    ts: np.ndarray  # µs, NaN where absent
+    dur: np.ndarray  # µs, 0 where absent
+    spelled: dict[str, int]  # each `cat` spelling we read → its event count
+
+
+def _columns(events: list[Any], path: Path, base: int) -> _Events:
+    """Check and collect the fields of every event (one pass).
+
+    Raises:
+        InputError: ``<file>: traceEvents[<i>]: <field>: ...`` for an event that is not an
+            object, a ph/cat/name that is not a string, args that are not an object, or a
+            ts/dur that is not a finite number (dur: >= 0) within int64 ns.
+    """
+    n = len(events)
+    cats = np.full(n, "", dtype=object)
+    complete = np.zeros(n, dtype=bool)
+    phs: list[str] = [""] * n
+    names: list[str] = [""] * n
+    args: list[dict[str, Any]] = [{}] * n
+    ts = np.full(n, np.nan)
+    dur = np.zeros(n)
+    spelled: dict[str, int] = {}
+    for i, e in enumerate(events):
+        rec = f"traceEvents[{i}]"
+        if not isinstance(e, dict):
+            raise field_error(path, rec, "event", f"expected an object, got {shown(e)}")
+        ph = e.get("ph")
+        if not isinstance(ph, str):
+            raise field_error(path, rec, "ph", "missing" if ph is None else
+                              f"expected a string, got {shown(ph)}")
+        phs[i] = ph
+        cat = e.get("cat")
+        if cat is not None:
+            if not isinstance(cat, str):
+                raise field_error(path, rec, "cat", f"expected a string, got {shown(cat)}")
+            read = CATEGORIES.get(cat.lower())
+            if read is not None:
+                cats[i] = read
+                spelled[cat] = spelled.get(cat, 0) + 1
+        name = e.get("name")
+        if name is not None:
+            if not isinstance(name, str):
+                raise field_error(path, rec, "name", f"expected a string, got {shown(name)}")
+            names[i] = name
+        a = e.get("args")
+        if a is not None:
+            if not isinstance(a, dict):
+                raise field_error(path, rec, "args", f"expected an object, got {shown(a)}")
+            args[i] = a
+        t = e.get("ts")
+        if ph == "X" or t is not None:
+            if t is None:
+                raise field_error(path, rec, "ts", "missing (a complete event needs one)")
+            ts[i] = number_field(t, path, rec, "ts", lo=-_US_MAX, hi=_US_MAX)
+        if ph == "X":
+            complete[i] = True
+            d = e.get("dur")
+            if d is None:
+                raise field_error(path, rec, "dur", "missing (a complete event needs one)")
+            dur[i] = number_field(d, path, rec, "dur", lo=0, hi=_US_MAX)
+    if complete.any():  # base + ts + dur must still be an int64 ns
+        end = base + ts[complete] * 1000 + dur[complete] * 1000
+        bad = np.flatnonzero((end > TIME_NS_MAX) | (end < -TIME_NS_MAX))
+        if len(bad):
+            i = int(np.flatnonzero(complete)[bad[0]])
+            raise field_error(path, f"traceEvents[{i}]", "ts",
+                              f"{events[i]['ts']!r} µs + dur + baseTimeNanoseconds is beyond "
+                              "int64 ns")
+    return _Events(cats, complete, phs, names, args, ts, dur, spelled)
+
+
+def _bytes_of(ev: _Events, i: int, path: Path) -> int | None:
+    """A copy's ``args.bytes``: None when the event has none; a bad value is an error."""
+    v = ev.args[i].get("bytes")
+    return None if v is None else count_field(v, path, f"traceEvents[{i}]", "args.bytes")
+
+
+def _copies(idx: np.ndarray, ev: _Events, times: Any, path: Path) -> dict[str, dict[str, int]]:
+    if not len(idx):
         return {}
-    start, end = times(copies)
+    start, end = times(idx)
     # "Memcpy HtoD (Pinned -> Device)" → "HtoD"
-    kinds = np.array([[*str(e.get("name", "")).split(), "?", "?"][1] for e in copies],
-                     dtype=object)
-    nbytes = np.array([_int((e.get("args") or {}).get("bytes")) for e in copies], dtype=np.int64)
+    kinds = np.array([[*ev.names[i].split(), "?", "?"][1] for i in idx], dtype=object)
+    nb = [_bytes_of(ev, int(i), path) for i in idx]
+    has = np.array([b is not None for b in nb], dtype=bool)
+    nbytes = np.array([b or 0 for b in nb], dtype=object)  # python ints: sums cannot wrap
     out = {}
     for k in sorted(set(kinds)):
         m = kinds == k
-        out[k] = {"count": int(m.sum()), "bytes": int(nbytes[m].clip(min=0).sum()),
+        out[k] = {"count": int(m.sum()), "bytes": int(nbytes[m].sum()),
+                  "with_bytes": int((m & has).sum()), "without_bytes": int((m & ~has).sum()),
                   "total_ns": int((end[m] - start[m]).sum())}
     return out
 
 
-def _flows(events: list[Any], phs: np.ndarray) -> dict[str, int]:
-    idx_s, idx_f = np.flatnonzero(phs == "s"), np.flatnonzero(phs == "f")
-    starts = {(events[i].get("cat"), events[i].get("id")) for i in idx_s}
-    ends = [(events[i].get("cat"), events[i].get("id")) for i in idx_f]
+def _flows(events: list[Any], ev: _Events, path: Path) -> dict[str, int]:
+    def key(i: int) -> tuple[str, Any]:
+        fid = events[i].get("id")
+        if fid is not None and not isinstance(fid, str) and not (
+                is_number(fid) and math.isfinite(fid)):
+            raise field_error(path, f"traceEvents[{i}]", "id",
+                              f"expected a string or a number, got {shown(fid)}")
+        return events[i].get("cat"), fid
+
+    idx_s = [i for i, p in enumerate(ev.phs) if p == "s"]
+    idx_f = [i for i, p in enumerate(ev.phs) if p == "f"]
+    starts = {key(i) for i in idx_s}
+    ends = [key(i) for i in idx_f]
     return {"starts": len(idx_s), "finishes": len(idx_f),
             "finishes_without_start": sum(1 for k in ends if k not in starts)}
 
 
-def _int(v: Any) -> int:
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        return -1
-
-
-def _h2d(run: ImportedRun, copies: list[dict[str, Any]], times: Any) -> None:
-    h2d = [e for e in copies if str(e.get("name", "")).startswith("Memcpy HtoD")]
-    if not h2d:
+def _h2d(run: ImportedRun, copies: np.ndarray, ev: _Events, times: Any) -> None:
+    path = run.path
+    h2d = np.array([i for i in copies if ev.names[i].startswith("Memcpy HtoD")], dtype=np.int64)
+    if not len(h2d):
         run.cannot.append("h2d activity: no `Memcpy HtoD` events in this trace")
         return
     start, end = times(h2d)
-    args = [e.get("args") or {} for e in h2d]
-    nbytes = [b if (b := _int(a.get("bytes"))) >= 0 else None for a in args]
-    corr = [c if (c := _int(a.get("correlation"))) >= 0 else None for a in args]
+    nbytes = [_bytes_of(ev, int(i), path) for i in h2d]
+    corr = []
+    for i in h2d:
+        c = ev.args[i].get("correlation")
+        corr.append(None if c is None else count_field(c, path, f"traceEvents[{i}]",
+                                                       "args.correlation"))
     n = len(h2d)
     run.spans = concat_spans([run.spans, spans_frame({
         "kind": ["activity"] * n, "name": ["h2d"] * n, "start_ns": start, "end_ns": end,
         "tier": ["host"] * n, "bytes": nbytes, "transfer_id": corr,
         "clock": ["cuda_event"] * n}, n)])
-    run.can.append(f"h2d activity: {n} `Memcpy HtoD` copies with bytes (not linked to requests)")
+    known = [b for b in nbytes if b is not None]
+    unknown = n - len(known)
+    run.can.append(f"h2d activity: {n:,} `Memcpy HtoD` copies (not linked to requests), "
+                   f"{len(known):,} with bytes ({sum(known):,} bytes)"
+                   + (f", {unknown:,} without a bytes argument" if unknown else ""))
+    if unknown:
+        run.cannot.append(f"bytes of {unknown:,} of {n:,} `Memcpy HtoD` copies: the events "
+                          "have no `bytes` argument (left unknown, not counted as 0)")
 
 
 def _run_ids(path: Path) -> dict[int, str]:
@@ -212,12 +354,20 @@ def _run_ids(path: Path) -> dict[int, str]:
     return {}
 
 
-def _request_of(args: dict[str, Any]) -> str | None:
+def _request_of(args: dict[str, Any], path: Path, rec: str) -> str | None:
     for k in _REQ_KEYS:
-        if args.get(k) not in (None, ""):
-            return str(args[k])
+        v = args.get(k)
+        if v in (None, ""):
+            continue
+        if isinstance(v, bool) or not isinstance(v, int | str):
+            raise field_error(path, rec, f"args.{k}",
+                              f"expected an integer or a string, got {shown(v)}")
+        if isinstance(v, int) and not -INT64_MAX <= v <= INT64_MAX:
+            raise field_error(path, rec, f"args.{k}", f"{v} is out of range")
+        return str(v)
     ci = args.get("Concrete Inputs")
-    if isinstance(ci, list) and ci and str(ci[0]).lstrip("-").isdigit():
+    if isinstance(ci, list) and ci and isinstance(ci[0], str | int) and not isinstance(
+            ci[0], bool) and str(ci[0]).lstrip("-").isdigit():
         return str(ci[0])
     return None
 
@@ -232,19 +382,21 @@ def split_name(name: str) -> tuple[str, int | None]:
         the name has no ``#<integer>`` suffix.
     """
     base, sep, tail = name[len(PREFIX):].rpartition("#")
-    if sep and tail.lstrip("-").isdigit():
-        return base, int(tail)
+    if sep and tail.lstrip("-").isdigit() and tail.isascii() and len(tail) <= 19:
+        n = int(tail)
+        if -INT64_MAX <= n <= INT64_MAX:
+            return base, n
     return name[len(PREFIX):], None
 
 
-def _annotations(run: ImportedRun, ann: list[dict[str, Any]], times: Any,
-                 ids: dict[int, str]) -> None:
-    ours = [e for e in ann if str(e.get("name", "")).startswith(PREFIX)]
-    if not ours:
+def _annotations(run: ImportedRun, ann: np.ndarray, ev: _Events, times: Any,
+                 ids: dict[int, str], path: Path) -> None:
+    ours = np.array([i for i in ann if ev.names[i].startswith(PREFIX)], dtype=np.int64)
+    if not len(ours):
         run.cannot.append(f"TTFT stages: no `{PREFIX}<stage>` user annotations (trace not "
                           "recorded by `kvscope run --profile`)")
         return
-    parsed = [split_name(e["name"]) for e in ours]
+    parsed = [split_name(ev.names[i]) for i in ours]
     names = np.array([n for n, _ in parsed], dtype=object)
     payload = [p for _, p in parsed]
     start, end = times(ours)
@@ -266,7 +418,8 @@ def _annotations(run: ImportedRun, ann: list[dict[str, Any]], times: Any,
     st = np.flatnonzero(is_state)
     if len(st):
         keys = [str(payload[i]) if payload[i] is not None
-                else _request_of(ours[i].get("args") or {}) for i in st]
+                else _request_of(ev.args[ours[i]], path, f"traceEvents[{ours[i]}]")
+                for i in st]
         synthetic = all(k is None for k in keys)
         keys = ["kineto-0" if k is None else k for k in keys]
         uniq, req = np.unique(np.array(keys, dtype=object), return_inverse=True)
@@ -287,6 +440,9 @@ def _annotations(run: ImportedRun, ann: list[dict[str, Any]], times: Any,
 def _nums(ids: np.ndarray) -> np.ndarray:
     """request_num: the id itself when numeric (the range suffix), else its position."""
     try:
-        return np.array([int(x) for x in ids], dtype=np.int64)
+        nums = [int(x) for x in ids]
     except ValueError:
         return np.arange(len(ids), dtype=np.int64)
+    if any(not -INT64_MAX <= x <= INT64_MAX for x in nums):
+        return np.arange(len(ids), dtype=np.int64)
+    return np.array(nums, dtype=np.int64)

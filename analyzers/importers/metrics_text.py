@@ -9,6 +9,12 @@ Quantiles are estimated as PromQL's ``histogram_quantile`` does: linear interpol
 bucket holding the rank, the first bucket starting at 0, and the last finite bound when the rank
 falls in ``+Inf``. A histogram cut short (no ``+Inf`` bucket and no ``_count``, as in the shared
 v0 scrape) is imported with what it has: its total is unknown, so no quantile is estimated.
+
+SGLang's `cache_hit_rate` meant different things in different releases (`SGLANG_NEWER`): the
+scrape's metric names say which releases wrote it (`sglang_semantics`), and the ratio is labelled
+with the semantics it was read with. A scrape whose histograms hold no observation derives
+nothing and says so. A sample no histogram can have (``le`` that is not a number, a count that is
+negative or not finite, a duplicate series) is an InputError naming the line.
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from agent.errors import InputError
-from analyzers.importers.base import ImportedRun, read_bytes
+from analyzers.importers.base import ImportedRun, field_error, read_bytes
+from analyzers.units import fmt_ns
 
 QUANTILES = (0.5, 0.9, 0.99)
 INTERPOLATION = (
@@ -45,12 +52,39 @@ _VLLM_HIST: dict[str, tuple[str | None, str]] = {
 _SGLANG_HIST: dict[str, tuple[str | None, str]] = {
     "time_to_first_token_seconds": ("ttft", "seconds"),
     "queue_time_seconds": ("queue", "seconds"),
+    "queue_time_s": ("queue", "seconds"),  # its name in 0.5.2 (declared, never observed)
+    "prompt_tokens_histogram": (None, "tokens"),
+    "generation_tokens_histogram": (None, "tokens"),
     "e2e_request_latency_seconds": ("e2e", "seconds"),
     "inter_token_latency_seconds": ("itl", "seconds"),
     "time_per_output_token_seconds": ("itl", "seconds"),
 }
 #: SGLang per_stage_req_latency_seconds{stage=...} → kvscope stage
 _SGLANG_STAGE = {"prefill_forward": "prefill", "prefill_transfer_kv_cache": "remote_read"}
+#: SGLang's `cache_hit_rate` changed meaning (read in the releases' sglang/srt/managers/
+#: scheduler.py and sglang/srt/metrics/collector.py): 0.3.6 (the first release with
+#: /metrics) to 0.4.3 set it to hit / total prompt tokens of the radix cache *since server
+#: start* (`tree_cache_metrics`); from 0.4.4 it is the most recent prefill batch's
+#: `log_hit_tokens / (log_input_tokens + log_hit_tokens)`, set back to 0 by each decode-batch
+#: log. Both are fractions (0..1); the server log prints them ×100. A scrape says which it is
+#: by the metrics beside it: these names appear from 0.4.4 on (the version ranges they
+#: were exported in) ...
+SGLANG_NEWER = {
+    "sglang:inter_token_latency_seconds": ">= 0.4.4",
+    "sglang:cached_tokens_total": ">= 0.4.4",
+    "sglang:avg_request_queue_latency": "0.4.6 .. 0.5.2",
+    "sglang:queue_time_s": "0.5.2",
+    "sglang:queue_time_seconds": ">= 0.5.3",
+    "sglang:per_stage_req_latency_seconds": ">= 0.5.3",
+}
+#: ... and this one only up to 0.4.4 (replaced by inter_token_latency_seconds in 0.4.5)
+SGLANG_OLDER = "sglang:time_per_output_token_seconds"
+SGLANG_CUMULATIVE = "0.3.6 .. 0.4.3"
+#: where SGLang's TTFT starts, in every release read (0.3.6 .. 0.5.23): the tokenizer
+#: manager's `created_time` (the request's arrival), so it includes the scheduler queue
+SGLANG_TTFT = ("sglang TTFT runs from the tokenizer manager receiving the request to the first "
+               "token in every release read (0.3.6 .. 0.5.23), so it includes the queue")
+
 #: metric names only vLLM v1 exports
 _V1_ONLY = (
     "vllm:prefix_cache_queries", "vllm:request_queue_time_seconds",
@@ -68,21 +102,17 @@ def load_prometheus(path: Path) -> ImportedRun:
         An ImportedRun with `distributions`, `ratios` and `summary` (gauges and counters); the
         requests and spans frames are empty.
     Raises:
-        InputError: not Prometheus text, or no vLLM/SGLang metric in it.
+        InputError: not Prometheus text (naming the first line the parser refuses), no
+            vLLM/SGLang metric in it, or a histogram sample no histogram has (``le`` that is
+            not a number, a count that is negative or not finite, a duplicate series).
     """
-    from prometheus_client.parser import text_string_to_metric_families
-
     try:
-        text = read_bytes(path).decode("utf-8")
-        samples = [
-            (s.name, dict(s.labels), float(s.value))
-            for fam in text_string_to_metric_families(text)
-            for s in fam.samples
-        ]
-    except UnicodeDecodeError:
-        raise InputError(f"{path}: not UTF-8 text (expected a Prometheus scrape)") from None
-    except ValueError as exc:
-        raise InputError(f"{path}: not valid Prometheus text ({exc})") from None
+        text = read_bytes(path).decode("utf-8").removeprefix("\ufeff")  # a byte order mark
+    except UnicodeDecodeError as exc:
+        line = read_bytes(path)[: exc.start].count(b"\n") + 1
+        raise InputError(f"{path}: line {line}: not UTF-8 text (expected a Prometheus scrape)"
+                         ) from None
+    samples = _parse(text, path)
     names = {n for n, _, _ in samples}
     if any(n.startswith("vllm:") for n in names):
         v1 = any(n.startswith(p) for n in names for p in _V1_ONLY)
@@ -94,10 +124,12 @@ def load_prometheus(path: Path) -> ImportedRun:
         raise InputError(f"{path}: Prometheus text without vllm: or sglang: metrics")
 
     run = ImportedRun.empty(source, path)
-    dist_rows, hist_names = _histograms(samples, prefix, table)
+    dist_rows, hist_names = _histograms(samples, prefix, table, text, path, run)
     scalars = {n: v for n, v in _scalars(samples, hist_names).items()}
     run.summary = {"gauges_and_counters": scalars, "series": len(samples)}
-    run.ratios = _ratios(samples, source)
+    if source == "sglang-prometheus":
+        run.summary["sglang_semantics"] = sglang_semantics(names)
+    run.ratios = _ratios(samples, source, run)
     _aggregate_other(dist_rows, run)
     _notes(run, dist_rows)
     import pandas as pd
@@ -108,38 +140,177 @@ def load_prometheus(path: Path) -> ImportedRun:
     return run
 
 
-def _label_key(labels: dict[str, str]) -> str:
-    return ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()) if k != "le")
+def _parse(text: str, path: Path) -> list[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) of every sample; the parser's refusal names the line."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def parse(t: str) -> list[tuple[str, dict[str, str], float]]:
+        return [(s.name, dict(s.labels), float(s.value))
+                for fam in text_string_to_metric_families(t) for s in fam.samples]
+
+    try:
+        return parse(text)
+    except ValueError as exc:
+        first = _exc_text(exc)
+    # The parser does not say where: find the first line whose prefix it refuses (bisect).
+    lines = text.split("\n")
+    lo, hi = 0, len(lines)  # lines[:hi] fails; find the smallest such hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        try:
+            parse("\n".join(lines[:mid]) + "\n")
+            lo = mid
+        except ValueError:
+            hi = mid
+    shown_line = lines[hi - 1].strip()[:60] if hi else ""
+    raise InputError(f"{path}: line {hi}: not valid Prometheus text ({first}): "
+                     f"{shown_line!r}") from None
+
+
+def _exc_text(exc: BaseException) -> str:
+    msg = " ".join(str(exc).split())
+    return (msg[:80] + "...") if len(msg) > 80 else (msg or type(exc).__name__)
+
+
+def _line_of(text: str, name: str, labels: dict[str, str]) -> int | None:
+    """The line number of sample `name{labels}` (for error messages only)."""
+    fallback = None
+    for n, line in enumerate(text.split("\n"), 1):
+        if not line.startswith(name) or line[len(name):len(name) + 1] not in ("{", " ", "\t"):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return n
+        fallback = fallback or n
+    return fallback
+
+
+def _where(text: str, name: str, labels: dict[str, str]) -> str:
+    n = _line_of(text, name, labels)
+    lk = _label_key(labels, keep_le=True)
+    return f"line {n} ({name}{{{lk}}})" if n else f"{name}{{{lk}}}"
+
+
+def sglang_semantics(names: set[str]) -> dict[str, Any]:
+    """Which SGLang releases a scrape comes from, judged by the metric names in it, and so what
+    its `cache_hit_rate` means (see SGLANG_NEWER).
+
+    Args:
+        names: the scrape's sample names.
+    Returns:
+        ``{"cache_hit_rate": "last_prefill_batch" | "cumulative" | "unknown", "versions",
+        "evidence": [metric names], "ttft"}``.
+    """
+    bases = {_base(n) for n in names}
+    newer = sorted(n for n in SGLANG_NEWER if n in bases)
+    if newer:
+        kind, versions = "last_prefill_batch", ">= 0.4.4"
+        evidence = [f"{n} ({SGLANG_NEWER[n]})" for n in newer]
+    elif SGLANG_OLDER in bases:
+        kind, versions = "cumulative", SGLANG_CUMULATIVE
+        evidence = [f"{SGLANG_OLDER} (<= 0.4.4) and no metric added in 0.4.4 or later"]
+    else:
+        kind, versions, evidence = "unknown", "unknown", []
+    return {"cache_hit_rate": kind, "versions": versions, "evidence": evidence,
+            "ttft": SGLANG_TTFT}
+
+
+def _base(name: str) -> str:
+    for suffix in ("_bucket", "_count", "_sum", "_created"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def _label_key(labels: dict[str, str], keep_le: bool = False) -> str:
+    return ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()) if keep_le or k != "le")
+
+
+def _unit_of(short: str) -> str:
+    """A histogram's unit from its name, for those no table lists."""
+    if short.endswith("_seconds"):
+        return "seconds"
+    if short.endswith("_s"):
+        return "seconds"
+    if "tokens" in short:
+        return "tokens"
+    if short.endswith("_bytes"):
+        return "bytes"
+    return ""
 
 
 def _histograms(samples: list[tuple[str, dict[str, str], float]], prefix: str,
-                table: dict[str, tuple[str | None, str]]) -> tuple[list[dict[str, Any]], set[str]]:
+                table: dict[str, tuple[str | None, str]], text: str, path: Path,
+                run: ImportedRun) -> tuple[list[dict[str, Any]], set[str]]:
     """One distribution row per histogram series (metric × labels other than `le`)."""
-    buckets: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
+    buckets: dict[tuple[str, str], dict[float, float]] = defaultdict(dict)
     sums: dict[tuple[str, str], float] = {}
     counts: dict[tuple[str, str], float] = {}
     labels_of: dict[tuple[str, str], dict[str, str]] = {}
     for name, labels, value in samples:
         if name.endswith("_bucket") and "le" in labels:
             key = (name[: -len("_bucket")], _label_key(labels))
-            buckets[key].append((float(labels["le"]), value))
+            try:
+                le = float(labels["le"])
+            except ValueError:
+                raise field_error(path, _where(text, name, labels), "le",
+                                  f"{labels['le']!r} is not a number") from None
+            if math.isnan(le):
+                raise field_error(path, _where(text, name, labels), "le", "NaN is no bound")
+            if le in buckets[key]:
+                raise field_error(path, _where(text, name, labels), "le",
+                                  f"duplicate bucket le={labels['le']!r}")
+            _check_count(value, text, name, labels, path)
+            buckets[key][le] = value
             labels_of[key] = {k: v for k, v in labels.items() if k != "le"}
     bases = {b for b, _ in buckets}
     for name, labels, value in samples:
         for suffix, store in (("_sum", sums), ("_count", counts)):
             if name.endswith(suffix) and name[: -len(suffix)] in bases:
-                store[(name[: -len(suffix)], _label_key(labels))] = value
+                key = (name[: -len(suffix)], _label_key(labels))
+                if key in store:
+                    raise field_error(path, _where(text, name, labels), "value",
+                                      "duplicate series")
+                if suffix == "_count":
+                    _check_count(value, text, name, labels, path)
+                elif not math.isfinite(value):
+                    raise field_error(path, _where(text, name, labels), "value",
+                                      f"a histogram sum must be finite, got {value}")
+                store[key] = value
     rows = []
     for key in sorted(buckets):
         base, lkey = key
         short = base[len(prefix):] if base.startswith(prefix) else base
-        stage, unit = table.get(short, (None, "seconds" if short.endswith("_seconds") else ""))
+        stage, unit = table.get(short, (None, _unit_of(short)))
         if short == "per_stage_req_latency_seconds":
             stage = _SGLANG_STAGE.get(labels_of[key].get("stage", ""))
-        rows.append(_row(base, lkey, stage, unit, sorted(buckets[key]),
-                         sums.get(key), counts.get(key)))
+        bk = sorted(buckets[key].items())
+        fixed = _monotonic(bk)
+        if fixed:
+            run.derived.append(f"{base}{{{lkey}}}: bucket counts decrease at le={fixed:g}; "
+                               "made cumulative (running maximum, as PromQL does)")
+        rows.append(_row(base, lkey, stage, unit, bk, sums.get(key), counts.get(key)))
     hist_series = {f"{b}{s}" for b in bases for s in ("_bucket", "_sum", "_count", "_created")}
     return rows, hist_series
+
+
+def _check_count(value: float, text: str, name: str, labels: dict[str, str],
+                 path: Path) -> None:
+    if not math.isfinite(value) or value < 0:
+        raise field_error(path, _where(text, name, labels), "value",
+                          f"a histogram count must be a finite number >= 0, got {value:g}")
+
+
+def _monotonic(bk: list[tuple[float, float]]) -> float | None:
+    """Make cumulative counts non-decreasing in place; the first bound that decreased."""
+    first = None
+    top = -math.inf
+    for i, (le, c) in enumerate(bk):
+        if c < top:
+            first = le if first is None else first
+            bk[i] = (le, top)
+        else:
+            top = c
+    return first
 
 
 def _row(metric: str, labels: str, stage: str | None, unit: str,
@@ -213,13 +384,17 @@ def _total(samples: list[tuple[str, dict[str, str], float]], name: str,
 
 
 def _ratio(name: str, num: float | None, den: float | None, unit: str, metric: str,
-           note: str = "") -> dict[str, Any]:
+           note: str = "", zero: str = "") -> dict[str, Any]:
     value = (num / den) if (num is not None and den) else None
-    return {"name": name, "numerator": num, "denominator": den, "denominator_unit": unit,
-            "source_metric": metric, "value": value, "note": note}
+    out = {"name": name, "numerator": num, "denominator": den, "denominator_unit": unit,
+           "source_metric": metric, "value": value, "note": note}
+    if den == 0:
+        out["undefined"] = zero or f"no {unit}"
+    return out
 
 
-def _ratios(samples: list[tuple[str, dict[str, str], float]], source: str) -> list[dict[str, Any]]:
+def _ratios(samples: list[tuple[str, dict[str, str], float]], source: str,
+            run: ImportedRun) -> list[dict[str, Any]]:
     out = []
     if source.startswith("vllm"):
         hits = _total(samples, "vllm:prefix_cache_hits_total")
@@ -228,7 +403,8 @@ def _ratios(samples: list[tuple[str, dict[str, str], float]], source: str) -> li
             out.append(_ratio(
                 "prefix_cache_hit", hits, queries, "queried prompt tokens (blocks in older vLLM)",
                 "vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total",
-                "hits are block-aligned, capped at num_tokens - 1; preempted requests apart"))
+                "hits are block-aligned, capped at num_tokens - 1; preempted requests apart",
+                zero="no lookups yet"))
         ext_h = _total(samples, "vllm:external_prefix_cache_hits_total")
         ext_q = _total(samples, "vllm:external_prefix_cache_queries_total")
         if ext_q is not None:
@@ -236,13 +412,14 @@ def _ratios(samples: list[tuple[str, dict[str, str], float]], source: str) -> li
                 "external_prefix_cache_hit", ext_h, ext_q,
                 "prompt tokens left after the local hit",
                 "vllm:external_prefix_cache_hits_total / vllm:external_prefix_cache_queries_total",
-                "a connector hit counts even if the load later fails"))
+                "a connector hit counts even if the load later fails",
+                zero="no external lookups yet"))
         by_src = {lab.get("source"): v for n, lab, v in samples
                   if n == "vllm:prompt_tokens_by_source_total"}
         den = sum(by_src.values())
         for src, v in sorted((k, v) for k, v in by_src.items() if k):
             out.append(_ratio(f"prompt_tokens_{src}", v, den, "prompt tokens (all sources)",
-                              "vllm:prompt_tokens_by_source_total"))
+                              "vllm:prompt_tokens_by_source_total", zero="no prompt tokens yet"))
         for tier in ("gpu", "cpu"):
             g = _total(samples, f"vllm:{tier}_prefix_cache_hit_rate")
             if g is not None:
@@ -251,14 +428,14 @@ def _ratios(samples: list[tuple[str, dict[str, str], float]], source: str) -> li
                 out.append({"name": f"{tier}_prefix_cache_hit_rate", "numerator": None,
                             "denominator": None, "denominator_unit": "unknown",
                             "source_metric": f"vllm:{tier}_prefix_cache_hit_rate",
-                            "value": g if g >= 0 else None, "note": note})
+                            "value": g if 0 <= g <= 1 else None, "note": note})
+                if not (g < 0 or 0 <= g <= 1):
+                    run.cannot.append(f"{tier}_prefix_cache_hit_rate: the gauge reads {g:g}, "
+                                      "not a fraction in [0, 1]; not read")
     else:
         g = _total(samples, "sglang:cache_hit_rate")
         if g is not None:
-            out.append({"name": "cache_hit_rate", "numerator": None, "denominator": None,
-                        "denominator_unit": "tokens of the most recent prefill batch only",
-                        "source_metric": "sglang:cache_hit_rate", "value": g,
-                        "note": "a gauge over the last prefill batch, not the run"})
+            out.append(_sglang_hit_rate(g, run))
         prompt = _total(samples, "sglang:prompt_tokens_total")
         cached = defaultdict(float)
         for n, lab, v in samples:
@@ -266,8 +443,43 @@ def _ratios(samples: list[tuple[str, dict[str, str], float]], source: str) -> li
                 cached[lab.get("cache_source", "")] += v
         for src, v in sorted(cached.items()):
             out.append(_ratio(f"cached_tokens_{src or 'all'}", v, prompt, "prompt tokens",
-                              "sglang:cached_tokens_total / sglang:prompt_tokens_total"))
+                              "sglang:cached_tokens_total / sglang:prompt_tokens_total",
+                              zero="no prompt tokens yet"))
     return out
+
+
+def _sglang_hit_rate(g: float, run: ImportedRun) -> dict[str, Any]:
+    """`sglang:cache_hit_rate`, read with the semantics of the releases the scrape is from."""
+    sem = run.summary["sglang_semantics"]
+    kind = sem["cache_hit_rate"]
+    if kind == "last_prefill_batch":
+        unit = "tokens of the most recent prefill batch only"
+        note = ("a gauge over the last prefill batch (sglang >= 0.4.4), set to 0 by each "
+                "decode-batch log; not the run")
+    elif kind == "cumulative":
+        unit = "prompt tokens looked up in the radix cache since server start"
+        note = (f"cumulative since server start (sglang {SGLANG_CUMULATIVE}: hit / total of "
+                "the scheduler's tree_cache_metrics); a fraction, not a percentage")
+    else:
+        unit = "unknown"
+        note = (f"cumulative since start (sglang {SGLANG_CUMULATIVE}) or the last prefill "
+                "batch (>= 0.4.4): this scrape has none of the metrics that tell them apart")
+    how = (f"sglang:cache_hit_rate read as {kind.replace('_', ' ')} (sglang {sem['versions']}"
+           + (f"; evidence: {'; '.join(sem['evidence'])}" if sem["evidence"] else "") + ")")
+    run.derived.append(how if kind != "unknown" else
+                       "sglang:cache_hit_rate: which releases wrote this scrape is unknown "
+                       "(none of the metrics that tell them apart)")
+    if kind == "unknown":
+        run.cannot.append("what sglang:cache_hit_rate covers (the run since start, or the last "
+                          "prefill batch): the scrape does not say which release wrote it")
+    ok = math.isfinite(g) and 0 <= g <= 1
+    if not ok:
+        run.cannot.append(f"sglang:cache_hit_rate: the gauge reads {g:g}, not a fraction in "
+                          "[0, 1]; not read")
+    return {"name": "cache_hit_rate", "numerator": None, "denominator": None,
+            "denominator_unit": unit, "source_metric": "sglang:cache_hit_rate",
+            "value": g if ok else None, "note": note, "semantics": kind,
+            "versions": sem["versions"]}
 
 
 def _aggregate_other(rows: list[dict[str, Any]], run: ImportedRun) -> None:
@@ -288,6 +500,10 @@ def _aggregate_other(rows: list[dict[str, Any]], run: ImportedRun) -> None:
         return sum(r[k] for r in rs)
 
     n = tot(ttft, "count")
+    if n == 0:
+        run.cannot.append("aggregate `other`: no request observed yet (TTFT histogram count "
+                          "0): nothing derived")
+        return
     if any(not math.isclose(tot(by_stage[s], "count"), n) for s in parts) or math.isnan(n):
         run.cannot.append(
             f"aggregate `other`: stage histogram counts differ from TTFT's ({n:g}); "
@@ -301,18 +517,36 @@ def _aggregate_other(rows: list[dict[str, Any]], run: ImportedRun) -> None:
         "p99": math.nan, "buckets": 0, "complete": True,
         "note": "sum only: quantiles of a difference are not derivable from histograms"})
     run.derived.append(
-        f"aggregate other = TTFT sum - {' - '.join(parts)} sums = {other:.6g} s over {n:g} "
-        "requests (the part of TTFT no engine histogram explains)")
+        f"aggregate other = TTFT sum - {' - '.join(parts)} sums = {fmt_ns(other * 1e9)} over "
+        f"{n:,.0f} requests (the part of TTFT no engine histogram explains)"
+        + (f"; {SGLANG_TTFT}" if run.source == "sglang-prometheus" else ""))
 
 
 def _notes(run: ImportedRun, rows: list[dict[str, Any]]) -> None:
-    staged = sorted({r["stage"] for r in rows if r["stage"]})
-    run.derived.append(INTERPOLATION)
+    observed = [r for r in rows if r["count"] == r["count"] and r["count"] > 0]
+    staged = sorted({r["stage"] for r in observed if r["stage"]})
+    idle = sorted({r["stage"] for r in rows if r["stage"] and r["count"] == 0} - set(staged))
+    if any(r["p50"] == r["p50"] for r in observed):  # a quantile was estimated
+        run.derived.append(INTERPOLATION)
     if staged:
         run.can.append("stage distributions (count, sum, p50/p90/p99): " + ", ".join(staged))
-    if run.ratios:
-        run.can.append("hit ratios with the engine's own denominators: "
-                       + ", ".join(r["name"] for r in run.ratios))
+    if idle:
+        run.cannot.append(f"stage distributions of {', '.join(idle)}: their histograms hold "
+                          "0 observations")
+    if not observed:
+        zero = sum(1 for r in rows if r["count"] == 0)
+        unknown = sum(1 for r in rows if r["count"] != r["count"])
+        why = [f"{zero} histogram series hold 0 observations (an idle server?)"] if zero else []
+        why += [f"{unknown} series have no known total (cut short)"] if unknown else []
+        run.cannot.append("distributions: no quantile or mean could be estimated: "
+                          + ("; ".join(why) if why else "the scrape has no histograms"))
+    known = [r["name"] for r in run.ratios if r["value"] is not None]
+    if known:
+        run.can.append("hit ratios with the engine's own denominators: " + ", ".join(known))
+    for r in run.ratios:
+        if r.get("undefined"):
+            run.cannot.append(f"{r['name']}: {r['numerator'] or 0:,.0f} / 0 "
+                              f"{r['denominator_unit']} ({r['undefined']})")
     for r in rows:
         if not r["complete"]:
             run.cannot.append(f"{r['metric']}{{{r['labels']}}}: {r['note']}")
@@ -320,5 +554,7 @@ def _notes(run: ImportedRun, rows: list[dict[str, Any]]) -> None:
     if run.source == "vllm-prometheus-v0":
         run.cannot.append("queue/prefill split: vLLM v0 names have no queue or prefill histogram")
     if run.source == "sglang-prometheus" and not any(r["stage"] == "queue" for r in rows):
-        run.cannot.append("queue time: no sglang:queue_time_seconds in this scrape")
+        run.cannot.append("queue time: no sglang:queue_time_seconds in this scrape (SGLang "
+                          "has no queue histogram before 0.5.3; 0.5.2 declares "
+                          "sglang:queue_time_s but never observes it)")
     run.cannot.append("token sources (device hit / host / remote / recomputed) per request")

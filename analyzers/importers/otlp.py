@@ -20,13 +20,21 @@ import numpy as np
 
 from agent.errors import InputError
 from analyzers.importers.base import (
+    TIME_NS_MAX,
     ImportedRun,
     concat_spans,
+    count_field,
+    field_error,
+    int_field,
+    is_number,
+    number_field,
     parse_json,
     read_bytes,
     requests_frame,
+    shown,
     spans_frame,
 )
+from analyzers.units import fmt_ns
 
 SPAN_NAME = "llm_request"
 A_QUEUE = "gen_ai.latency.time_in_queue"
@@ -40,30 +48,101 @@ A_REQUEST_ID = "gen_ai.request.id"
 _STATUS_ERROR = 2  # OTLP Status.code STATUS_CODE_ERROR
 
 
-def attr_value(v: dict[str, Any]) -> Any:
-    """An OTLP/JSON AnyValue → Python (intValue arrives as a string per the proto3 JSON map)."""
+#: arrays inside arrays deeper than this are not a vLLM attribute (and would recurse)
+_MAX_DEPTH = 32
+_HEX = frozenset("0123456789abcdefABCDEF")
+
+
+def attr_value(v: Any, path: Path | str = "?", record: str = "?", name: str = "value",
+               depth: int = 0) -> Any:
+    """An OTLP/JSON AnyValue → Python (intValue arrives as a string per the proto3 JSON map).
+
+    Raises:
+        InputError: ``<file>: <record>: <name>: ...`` for a value that is not an AnyValue
+            object, an intValue/doubleValue that is not a number, or arrays nested deeper
+            than 32.
+    """
+    if not isinstance(v, dict):
+        raise field_error(path, record, name, f"expected an AnyValue object, got {shown(v)}")
     if "stringValue" in v:
-        return v["stringValue"]
+        x = v["stringValue"]
+        if not isinstance(x, str):
+            raise field_error(path, record, f"{name}.stringValue",
+                              f"expected a string, got {shown(x)}")
+        return x
     if "intValue" in v:
-        return int(v["intValue"])
+        return int_field(v["intValue"], path, record, f"{name}.intValue", strings=True)
     if "doubleValue" in v:
-        return float(v["doubleValue"])
+        x = v["doubleValue"]
+        if isinstance(x, str) and x in ("NaN", "Infinity", "-Infinity"):  # proto3 JSON
+            return float(x.replace("Infinity", "inf"))
+        if not is_number(x):
+            raise field_error(path, record, f"{name}.doubleValue",
+                              f"expected a number, got {shown(x)}")
+        return float(x)
     if "boolValue" in v:
-        return bool(v["boolValue"])
+        x = v["boolValue"]
+        if not isinstance(x, bool):
+            raise field_error(path, record, f"{name}.boolValue",
+                              f"expected true or false, got {shown(x)}")
+        return x
     if "arrayValue" in v:
-        return [attr_value(x) for x in v["arrayValue"].get("values", [])]
+        arr = v["arrayValue"]
+        vals = arr.get("values", []) if isinstance(arr, dict) else arr
+        if not isinstance(vals, list):
+            raise field_error(path, record, f"{name}.arrayValue",
+                              f"expected an object with a values list, got {shown(arr)}")
+        if depth >= _MAX_DEPTH:
+            raise field_error(path, record, f"{name}.arrayValue",
+                              f"arrays nested deeper than {_MAX_DEPTH}")
+        return [attr_value(x, path, record, f"{name}.arrayValue.values[{i}]", depth + 1)
+                for i, x in enumerate(vals)]
     return None
 
 
-def iter_spans(doc: Any, path: Path) -> list[dict[str, Any]]:
-    """Every span of an OTLP/JSON trace document. Not OTLP → InputError."""
+def _list(v: Any, path: Path, record: str, name: str) -> list[Any]:
+    if v is None:
+        return []
+    if not isinstance(v, list):
+        raise field_error(path, record, name, f"expected a list, got {shown(v)}")
+    return v
+
+
+def _located_spans(doc: Any, path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(where, span) for every span, where = ``resourceSpans[i].scopeSpans[j].spans[k]``."""
     if not isinstance(doc, dict) or not isinstance(doc.get("resourceSpans"), list):
         raise InputError(f"{path}: not an OTLP/JSON trace (no resourceSpans list)")
     out = []
-    for rs in doc["resourceSpans"]:
-        for ss in rs.get("scopeSpans") or rs.get("instrumentationLibrarySpans") or []:
-            out.extend(ss.get("spans") or [])
+    for i, rs in enumerate(doc["resourceSpans"]):
+        at = f"resourceSpans[{i}]"
+        if not isinstance(rs, dict):
+            raise field_error(path, at, "resourceSpans", f"expected an object, got {shown(rs)}")
+        key = "scopeSpans" if rs.get("scopeSpans") is not None else "instrumentationLibrarySpans"
+        for j, ss in enumerate(_list(rs.get(key), path, at, key)):
+            at2 = f"{at}.{key}[{j}]"
+            if not isinstance(ss, dict):
+                raise field_error(path, at2, key, f"expected an object, got {shown(ss)}")
+            for k, sp in enumerate(_list(ss.get("spans"), path, at2, "spans")):
+                if not isinstance(sp, dict):
+                    raise field_error(path, f"{at2}.spans[{k}]", "span",
+                                      f"expected an object, got {shown(sp)}")
+                out.append((f"{at2}.spans[{k}]", sp))
     return out
+
+
+def iter_spans(doc: Any, path: Path) -> list[dict[str, Any]]:
+    """Every span of an OTLP/JSON trace document. Not OTLP, or a resource/scope/span that is
+    not an object → InputError."""
+    return [sp for _, sp in _located_spans(doc, path)]
+
+
+def _hex_id(sp: dict[str, Any], key: str, size: int, path: Path, where: str) -> str | None:
+    v = sp.get(key)
+    if v is None or v == "":
+        return None
+    if not isinstance(v, str) or len(v) != size or not set(v) <= _HEX:
+        raise field_error(path, where, key, f"expected {size} hex digits, got {shown(v)}")
+    return v
 
 
 def load_otlp(path: Path) -> ImportedRun:
@@ -75,34 +154,88 @@ def load_otlp(path: Path) -> ImportedRun:
         An ImportedRun with one requests row per `llm_request` span and state spans
         other → queue → prefill summing to TTFT, then decode.
     Raises:
-        InputError: unreadable, cut or non-OTLP JSON, or a span missing its timestamps.
+        InputError: unreadable, cut or non-OTLP JSON, or an `llm_request` span whose fields
+            are not what OTLP/JSON and vLLM write (``<file>: <span>: <field>: ...``).
     """
-    spans = iter_spans(parse_json(read_bytes(path), path), path)
+    located = _located_spans(parse_json(read_bytes(path), path), path)
     rows = []
-    for sp in spans:
-        if sp.get("name") != SPAN_NAME:
+    names: set[str] = set()
+    seen: dict[str, str] = {}  # request id → where its span is
+    for where, sp in located:
+        name = sp.get("name")
+        names.add(name if isinstance(name, str) else shown(name))
+        if name != SPAN_NAME:
             continue
-        attrs = {a["key"]: attr_value(a.get("value") or {}) for a in sp.get("attributes") or []}
-        try:
-            start = int(sp["startTimeUnixNano"])
-            end = int(sp["endTimeUnixNano"])
-        except (KeyError, TypeError, ValueError):
-            raise InputError(f"{path}: span {sp.get('spanId', '?')}: bad or missing "
-                             "startTimeUnixNano/endTimeUnixNano") from None
-        rows.append((sp, attrs, start, end))
+        row = _read_span(sp, where, path)
+        rid = row[1].get(A_REQUEST_ID)
+        if rid is not None and rid in seen:  # vLLM emits one llm_request span per request
+            raise field_error(path, where, f"attributes[{A_REQUEST_ID}]",
+                              f"request {rid!r} has a second llm_request span (the first is "
+                              f"{seen[rid]})")
+        if rid is not None:
+            seen[rid] = where
+        rows.append(row)
     run = ImportedRun.empty("vllm-otlp", path)
     if not rows:
-        names = sorted({str(s.get("name")) for s in spans})[:5]
+        listed = sorted(names)[:5]
         run.cannot.append(
-            f"no {SPAN_NAME} spans: not a vLLM trace ({len(spans)} span(s): "
-            f"{', '.join(names) or 'none'}); nothing to partition")
+            f"no {SPAN_NAME} spans: not a vLLM trace ({len(located)} span(s): "
+            f"{', '.join(listed) or 'none'}); nothing to partition")
         return run
     _build(run, rows)
     return run
 
 
+#: attributes in seconds, with the largest value taken as a duration (~31 years)
+_SECONDS = (A_TTFT, A_QUEUE, A_PREFILL, A_DECODE, A_E2E)
+_MAX_S = 1e9
+
+
+def _read_span(sp: dict[str, Any], where: str, path: Path
+               ) -> tuple[dict[str, Any], dict[str, Any], int, int]:
+    """One `llm_request` span's fields, checked: (span, attributes, start ns, end ns)."""
+    _hex_id(sp, "traceId", 32, path, where)
+    sid = _hex_id(sp, "spanId", 16, path, where)
+    where_id = f"{where} (spanId {sid})" if sid else where
+    attrs: dict[str, Any] = {}
+    for i, a in enumerate(_list(sp.get("attributes"), path, where_id, "attributes")):
+        if not isinstance(a, dict) or not isinstance(a.get("key"), str):
+            raise field_error(path, where_id, f"attributes[{i}]",
+                              f"expected an object with a string key, got {shown(a)}")
+        key = a["key"]
+        attrs[key] = attr_value(a.get("value") or {}, path, where_id, f"attributes[{key}]")
+    for key in _SECONDS:
+        if attrs.get(key) is not None:
+            number_field(attrs[key], path, where_id, f"attributes[{key}]", lo=0, hi=_MAX_S)
+    for key in (A_PROMPT, A_COMPLETION):
+        if attrs.get(key) is not None:
+            count_field(attrs[key], path, where_id, f"attributes[{key}]")
+    rid = attrs.get(A_REQUEST_ID)
+    if rid is not None and not isinstance(rid, str):
+        raise field_error(path, where_id, f"attributes[{A_REQUEST_ID}]",
+                          f"expected a string, got {shown(rid)}")
+    status = sp.get("status")
+    if status is not None and not isinstance(status, dict):
+        raise field_error(path, where_id, "status", f"expected an object, got {shown(status)}")
+    bounds = []
+    for key in ("startTimeUnixNano", "endTimeUnixNano"):
+        if sp.get(key) is None:
+            raise field_error(path, where_id, key, "missing")
+        bounds.append(int_field(sp[key], path, where_id, key, lo=0, hi=TIME_NS_MAX,
+                                strings=True))
+    start, end = bounds
+    if end < start:
+        raise field_error(path, where_id, "endTimeUnixNano", f"{end} is before the start "
+                          f"{start}")
+    ttft = attrs.get(A_TTFT)
+    if ttft is not None and start + ttft * 1e9 > TIME_NS_MAX:
+        raise field_error(path, where_id, f"attributes[{A_TTFT}]",
+                          "start + time to first token is beyond int64 ns")
+    return sp, attrs, start, end
+
+
 def _seconds_ns(attrs: list[dict[str, Any]], key: str) -> np.ndarray:
-    """Attribute in seconds → int64 ns; -1 where absent."""
+    """Attribute in seconds (checked by `_read_span`) → int64 ns; -1 where absent."""
     vals = [a.get(key) for a in attrs]
     return np.array([-1 if v is None else round(float(v) * 1e9) for v in vals], dtype=np.int64)
 
@@ -131,8 +264,8 @@ def _build(run: ImportedRun, rows: list[tuple[dict[str, Any], dict[str, Any], in
     status = ["error" if ((r[0].get("status") or {}).get("code") in (_STATUS_ERROR,
                                                                        "STATUS_CODE_ERROR"))
               else "ok" for r in rows]
-    prompt = [a.get(A_PROMPT) for a in attrs]
-    output = [a.get(A_COMPLETION) for a in attrs]
+    prompt = [None if a.get(A_PROMPT) is None else int(a[A_PROMPT]) for a in attrs]
+    output = [None if a.get(A_COMPLETION) is None else int(a[A_COMPLETION]) for a in attrs]
     run.requests = requests_frame({
         "request_id": ids, "request_num": np.arange(n), "arrival_ns": arrival,
         "first_token_ns": [None if f < 0 else int(f) for f in first],
@@ -167,7 +300,7 @@ def _build(run: ImportedRun, rows: list[tuple[dict[str, Any], dict[str, Any], in
                    "prefill_ns_total": int(p.sum())}
     if excess.any():
         run.derived.append(f"{int((excess > 0).sum())} request(s) had queue + prefill > TTFT "
-                           f"(by up to {int(excess.max())} ns); queue trimmed to fit")
+                           f"(by up to {fmt_ns(int(excess.max()))}); queue trimmed to fit")
     for k, c in missing.items():
         run.cannot.append(f"{c} of {n} request(s) lack {k}"
                           + ("; no partition for them" if k == A_TTFT else

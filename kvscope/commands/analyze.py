@@ -23,10 +23,11 @@ def analyze(
     fmt: str = typer.Option("text", "--format", "-f", help="Output: text, markdown or json."),
     by: str | None = typer.Option(None, "--by",
                                   help="Split the TTFT table by tenant, workload_class or "
-                                       "hit_class."),
+                                       "hit_class (each group with its request count)."),
     window_s: float | None = option("analyze", "window_s", None),
     output: Path | None = typer.Option(None, "--output", "-o",
-                                       help="Write the report to this file instead of stdout."),
+                                       help="Write the report to this file instead of stdout "
+                                            "(one line on stderr names it)."),
 ) -> None:
     """Where did TTFT go, stage by stage, and where did each prompt token's KV come from?
 
@@ -70,3 +71,16 @@ def analyze(
         typer.echo(text, nl=False)
     else:
         output.write_text(text)
+        # stderr, so that stdout stays clean for pipelines
+        typer.echo(f"kvscope analyze: wrote {output} ({fmt}, {_size(len(text.encode()))})",
+                   err=True)
+
+
+def _size(n: int) -> str:
+    """A file size as ``812 B``, ``4.2 KiB``, ``1.3 MiB``."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB"):
+        if size < 1024:
+            return f"{n:,} B" if unit == "B" else f"{size:,.1f} {unit}"
+        size /= 1024
+    return f"{size:,.1f} GiB"

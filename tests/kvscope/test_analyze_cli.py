@@ -43,20 +43,28 @@ def _assert_one_line_error(code: int, out: str, err: str, *needles: str) -> None
 def test_analyze_text_json_markdown(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = _run(["analyze", str(GOLDEN_RUN)], capsys)
     assert (code, err) == (0, "")
-    assert out.splitlines()[3] == "TTFT breakdown (9 requests)"
+    lines = out.splitlines()
+    # the run's summary lines (here its breaker events), a blank line, then the breakdown
+    assert lines[2].startswith("breaker events: 2 ")
+    assert lines[4] == "TTFT breakdown (9 requests)"
     code, out, _ = _run(["analyze", str(GOLDEN_RUN), "--format", "json"], capsys)
     doc = json.loads(out)
     assert code == 0 and doc["ttft"]["requests"] == 9
     code, out, _ = _run(["analyze", str(GOLDEN_RUN), "-f", "markdown", "--by", "hit_class"],
                         capsys)
-    assert code == 0 and "| hit_class | stage |" in out
+    assert code == 0 and "| hit_class | requests | stage |" in out
 
 
 def test_analyze_writes_to_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     dst = tmp_path / "report.json"
-    code, out, _ = _run(["analyze", str(GOLDEN_RUN), "-f", "json", "-o", str(dst)], capsys)
-    assert code == 0 and out == ""
+    code, out, err = _run(["analyze", str(GOLDEN_RUN), "-f", "json", "-o", str(dst)], capsys)
+    assert code == 0 and out == ""  # stdout stays clean
     assert json.loads(dst.read_text())["run"]["run_id"] == "golden"
+    size = dst.stat().st_size
+    assert err == f"kvscope analyze: wrote {dst} (json, {size / 1024:,.1f} KiB)\n"
+    text = tmp_path / "report.txt"
+    code, out, err = _run(["analyze", str(GOLDEN_RUN), "-o", str(text)], capsys)
+    assert code == 0 and out == "" and err.startswith(f"kvscope analyze: wrote {text} (text, ")
 
 
 def test_compare_names_nothing_for_the_same_run(capsys: pytest.CaptureFixture[str]) -> None:

@@ -54,7 +54,7 @@ def test_annotations_become_a_partition_with_request_from_args(tmp_path):
            zip(st["name"], st["start_ns"], st["end_ns"], strict=True)]
     assert got == [("lookup", 0, 10 * US), ("queue", 10 * US, 30 * US), ("h2d", 30 * US, 60 * US),
                    ("prefill", 60 * US, 100 * US), ("decode", 100 * US, 150 * US)]
-    assert "20000 ns of overlap resolved, 0 ns uncovered" in run.derived[0]
+    assert "20.0 µs of overlap resolved, 0 ns uncovered" in run.derived[0]
     cols = ["request_id", "kind", "name", "start_ns", "end_ns"]
     assert check_partition(pa.Table.from_pandas(st[cols]), pa.Table.from_pandas(
         run.requests[["request_id", "arrival_ns", "first_token_ns"]])) == []
@@ -73,8 +73,10 @@ def test_h2d_copies_and_summary(tmp_path):
     s = run.summary
     assert s["kernels"] == {"count": 2, "total_ns": 12_000}
     assert s["cuda_sync"] == {"count": 1, "total_ns": 3_000}
-    assert s["memcpy"]["HtoD"] == {"count": 1, "bytes": 8192, "total_ns": 20_000}
-    assert s["memcpy"]["DtoH"] == {"count": 1, "bytes": 64, "total_ns": 2_000}
+    assert s["memcpy"]["HtoD"] == {"count": 1, "bytes": 8192, "with_bytes": 1,
+                                   "without_bytes": 0, "total_ns": 20_000}
+    assert s["memcpy"]["DtoH"] == {"count": 1, "bytes": 64, "with_bytes": 1,
+                                   "without_bytes": 0, "total_ns": 2_000}
     assert s["flows"] == {"starts": 1, "finishes": 2, "finishes_without_start": 1}
 
 

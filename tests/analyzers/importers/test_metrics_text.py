@@ -90,5 +90,11 @@ def test_shared_sglang_scrape():
     assert ttft["p50"] == 30.0
     rate = _ratio(run, "cache_hit_rate")
     assert rate["value"] == pytest.approx(0.007507552643049313)
-    assert rate["denominator_unit"] == "tokens of the most recent prefill batch only"
+    # The scrape has time_per_output_token_seconds and none of the names added in 0.4.4+:
+    # written by sglang 0.3.6 .. 0.4.3, whose cache_hit_rate is cumulative since start.
+    assert rate["semantics"] == "cumulative" and rate["versions"] == "0.3.6 .. 0.4.3"
+    assert rate["denominator_unit"] == ("prompt tokens looked up in the radix cache since "
+                                        "server start")
+    assert run.summary["sglang_semantics"]["cache_hit_rate"] == "cumulative"
+    assert any("read as cumulative (sglang 0.3.6 .. 0.4.3" in d for d in run.derived)
     assert any("queue time" in c for c in run.cannot)

@@ -45,8 +45,9 @@ def test_step_phases_h2d_and_summary(tmp_path):
     assert (h2d["start_ns"] - T0, h2d["end_ns"] - T0, h2d["bytes"], h2d["transfer_id"]) == (
         300, 380, 4096, 11)
     assert h2d["clock"] == "cuda_event"
-    assert run.summary["memcpy"] == {"HtoD": {"count": 1, "bytes": 4096, "total_ns": 80},
-                                     "DtoH": {"count": 1, "bytes": 64, "total_ns": 40}}
+    assert run.summary["memcpy"] == {
+        "HtoD": {"count": 1, "bytes": 4096, "with_bytes": 1, "without_bytes": 0, "total_ns": 80},
+        "DtoH": {"count": 1, "bytes": 64, "with_bytes": 1, "without_bytes": 0, "total_ns": 40}}
     assert run.summary["kernels"] == {"count": 1, "total_ns": 480}
     # the foreign-domain "queue" range is summarised, not imported as a stage
     assert run.summary["nvtx_ranges"]["queue"]["count"] == 3  # two kvscope + one foreign
@@ -65,7 +66,8 @@ def test_shared_nsys_saxpy():
     run = load(shared_data("nsys/saxpy-mpi-cuda_nsys_perlmutter0.sqlite"))
     s = run.summary
     assert s["session_start_epoch_ns"] == 1687813257637297504
-    assert s["memcpy"]["HtoD"] == {"count": 10, "bytes": 2621440000,
+    assert s["memcpy"]["HtoD"] == {"count": 10, "bytes": 2621440000, "with_bytes": 10,
+                                   "without_bytes": 0,
                                    "total_ns": s["memcpy"]["HtoD"]["total_ns"]}
     assert s["memcpy"]["DtoH"]["count"] == 5
     assert s["kernels"]["count"] == 5
