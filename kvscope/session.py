@@ -655,6 +655,10 @@ def run_session(opts: RunOptions, *, on_start: Callable[[int, str | None], None]
                            else "aborted" if result.interrupted else "complete")
             pipe.close()
         assert result is not None
+        if isinstance(server, SnapshotServer):
+            # Final values on /metrics before run.json says the run is over: a scrape that
+            # waits for the summary sees the last counters (not a snapshot up to 1 s old).
+            server.publish()
         summary = summarise(result.outputs, len(arrivals), result, opts.out, url,
                             tiers=tiers.active, remote=engine.flow.remote if engine.flow
                             else None)
