@@ -63,9 +63,10 @@ def main() -> None:
         "stage": s["stage"],
         "A p50": s["a_p50_ns"].map(fmt_ns), "B p50": s["b_p50_ns"].map(fmt_ns),
         "Δ p50 [CI]": [_delta(r, "p50") for _, r in s.iterrows()],
-        "explains": s["explains"].map(lambda v: "-" if pd.isna(v) else f"{100 * v:.0f} %"),
     }), hide_index=True, key="compare_stages_p50", width="stretch",
         column_config={"Δ p50 [CI]": wide})
+    # No "explains N %" beside the percentiles: a share of a mean change next to a p50 change
+    # read as the p50's; the mean column adds up to the TTFT change stage by stage.
     basis_col = f"Δ {basis.replace('_', ' ')} [CI]"
     st.dataframe(pd.DataFrame({
         "stage": s["stage"],
