@@ -1,4 +1,5 @@
-"""Human-readable durations for reports (the frames themselves stay in integer ns)."""
+"""Human-readable durations and sizes for reports (the frames themselves stay in integer ns
+and bytes)."""
 
 from __future__ import annotations
 
@@ -44,3 +45,13 @@ def fmt_pct(x: float | None, *, signed: bool = False, digits: int = 1) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "-"
     return f"{100 * x:{'+' if signed else ''}.{digits}f} %"
+
+
+def fmt_bytes(n: float | int) -> str:
+    """Bytes in binary units, one decimal: ``812 B``, ``16.0 KiB``, ``21.3 GiB``."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if size < 1024 or unit == "PiB":
+            return f"{size:,.0f} B" if unit == "B" else f"{size:,.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")

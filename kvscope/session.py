@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from agent.errors import InputError
+from analyzers.units import fmt_bytes
 from instrumented_engine.config import (
     MODEL_PRESETS,
     CacheConfig,
@@ -259,15 +260,6 @@ class MemoryNeed:
     where: str = "host"
 
 
-def size_text(n: float) -> str:
-    """Bytes in binary units: 16.0 KiB, 21.3 GiB."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if n < 1024 or unit == "PiB":
-            return f"{n:,.0f} B" if unit == "B" else f"{n:,.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
 def run_dtype(opts: RunOptions) -> str:
     """The KV and weight dtype of a run: --dtype, else float32 on cpu and bfloat16 on cuda."""
     return opts.dtype or ("bfloat16" if opts.device.startswith("cuda") else "float32")
@@ -398,13 +390,13 @@ def memory_needs(opts: RunOptions, model: ModelConfig) -> list[MemoryNeed]:
     kvb = kv_bytes_per_block(model, opts.block_size, dtype)
     needs = [MemoryNeed("the device KV pool", f"--num-blocks {opts.num_blocks:,}",
                         opts.num_blocks * kvb,
-                        f"{opts.num_blocks:,} blocks × {size_text(kvb)}", dev),
+                        f"{opts.num_blocks:,} blocks × {fmt_bytes(kvb)}", dev),
              MemoryNeed("the model's weights", f"--model {opts.model}",
                         weight_bytes(model, dtype), f"{model.model_id} in {dtype}", dev)]
     if opts.host_blocks:
         needs.append(MemoryNeed("the host KV tier", f"--host-blocks {opts.host_blocks:,}",
                                 opts.host_blocks * kvb,
-                                f"{opts.host_blocks:,} blocks × {size_text(kvb)}"))
+                                f"{opts.host_blocks:,} blocks × {fmt_bytes(kvb)}"))
     w = workload_need(opts)
     if w is not None:
         needs.append(w)
@@ -471,17 +463,17 @@ def check_resources(opts: RunOptions, model: ModelConfig | None = None, *,
         if free is None:
             continue
         here = [n for n in needs if n.where == where]
-        left = (f"{size_text(free)} available" if where == "host"
-                else f"{size_text(free)} free on {where}")
+        left = (f"{fmt_bytes(free)} available" if where == "host"
+                else f"{fmt_bytes(free)} free on {where}")
         for n in here:
             if n.bytes > free:
-                raise InputError(f"{n.flags}: {n.what} needs {size_text(n.bytes)} "
+                raise InputError(f"{n.flags}: {n.what} needs {fmt_bytes(n.bytes)} "
                                  f"({n.detail}), {left}")
         total = sum(n.bytes for n in here)
         if total > free:
-            parts = ", ".join(f"{n.what} {size_text(n.bytes)} ({n.flags})" for n in here)
+            parts = ", ".join(f"{n.what} {fmt_bytes(n.bytes)} ({n.flags})" for n in here)
             raise InputError(f"{' '.join(n.flags for n in here)}: together the run needs "
-                             f"{size_text(total)} ({parts}), {left}")
+                             f"{fmt_bytes(total)} ({parts}), {left}")
 
 
 def _load_model(opts: RunOptions) -> Any:

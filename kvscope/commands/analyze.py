@@ -72,15 +72,9 @@ def analyze(
     else:
         output.write_text(text)
         # stderr, so that stdout stays clean for pipelines
-        typer.echo(f"kvscope analyze: wrote {output} ({fmt}, {_size(len(text.encode()))})",
+        from analyzers.units import fmt_bytes
+
+        typer.echo(f"kvscope analyze: wrote {output} ({fmt}, {fmt_bytes(len(text.encode()))})",
                    err=True)
 
 
-def _size(n: int) -> str:
-    """A file size as ``812 B``, ``4.2 KiB``, ``1.3 MiB``."""
-    size = float(n)
-    for unit in ("B", "KiB", "MiB"):
-        if size < 1024:
-            return f"{n:,} B" if unit == "B" else f"{size:,.1f} {unit}"
-        size /= 1024
-    return f"{size:,.1f} GiB"

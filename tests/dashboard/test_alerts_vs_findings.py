@@ -24,7 +24,12 @@ from agent.runstore import open_run
 from analyzers.diagnose import ALERT_RULES
 from analyzers.report import build_report
 from tests.conftest import REPO, free_port, require_binary
-from tests.dashboard.test_live_prometheus import _api, _prometheus_config, _stop, _wait_ready
+from tests.dashboard.test_live_prometheus import (
+    _api,
+    _prometheus_config,
+    _start_prometheus,
+    _stop,
+)
 
 RULES = REPO / "dashboard" / "rules" / "kvscope-rules.yaml"
 #: Every alert's hold time in the test copy (production: minutes).
@@ -89,11 +94,7 @@ def test_alerts_that_fire_are_findings_of_the_same_run(tmp_path: Path) -> None:
     _run(tmp_path, "warm", 0, "-n", "30", "--rate", "0")  # fills the remote, unscraped
     prom = None
     try:
-        prom = subprocess.Popen(
-            [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{web_port}", "--log.level=warn"],
-            stdout=prom_log.open("wb"), stderr=subprocess.STDOUT)
-        _wait_ready(base, prom, prom_log)
+        prom = _start_prometheus(binary, config, tmp_path / "tsdb", web_port, prom_log)
 
         healthy = _run(tmp_path, "healthy", healthy_port, "-n", "40", "--rate", "8")
         time.sleep(3)  # the last scrapes (during --metrics-linger) evaluated
@@ -146,11 +147,7 @@ def test_gpu_xid_and_nic_error_alerts_are_findings_of_the_agents_store(tmp_path:
         config = tmp_path / "prometheus.yml"
         _prometheus_config(config, rules, [f"{host}:{port}"])
         prom_log = tmp_path / "prometheus.log"
-        prom = subprocess.Popen(
-            [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{web_port}", "--log.level=warn"],
-            stdout=prom_log.open("wb"), stderr=subprocess.STDOUT)
-        _wait_ready(base, prom, prom_log)
+        prom = _start_prometheus(binary, config, tmp_path / "tsdb", web_port, prom_log)
         time.sleep(3)
         assert _firing(base) == set()  # healthy hardware fires nothing
         nvml.inject_xid(0, 79)

@@ -32,7 +32,7 @@ import yaml
 from agent.schema import METRICS, METRICS_BY_NAME
 from analyzers.rules_check import metric_names
 from tests.conftest import REPO, free_port, require_binary
-from tests.dashboard.test_live_prometheus import _api, _stop, _wait_ready
+from tests.dashboard.test_live_prometheus import _api, _start_prometheus, _stop
 
 DASHBOARD = REPO / "dashboard" / "grafana" / "kvscope.json"
 RULES = REPO / "dashboard" / "rules" / "kvscope-rules.yaml"
@@ -157,11 +157,7 @@ def test_every_panel_query_has_data_from_real_targets(tmp_path: Path) -> None:
         config = tmp_path / "prometheus.yml"
         _config(config, list(engines.values()), agent)
         prom_log = tmp_path / "prometheus.log"
-        prom = subprocess.Popen(
-            [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{web_port}", "--log.level=warn"],
-            stdout=prom_log.open("wb"), stderr=subprocess.STDOUT)
-        _wait_ready(base, prom, prom_log)
+        prom = _start_prometheus(binary, config, tmp_path / "tsdb", web_port, prom_log)
         nic.start()
         nvml.inject_xid(0, 79)
 

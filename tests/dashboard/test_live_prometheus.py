@@ -96,6 +96,22 @@ def _stop(proc: subprocess.Popen[bytes] | None) -> None:
             proc.wait()
 
 
+def _start_prometheus(binary: str, config: Path, tsdb: Path, web_port: int,
+                      log: Path) -> subprocess.Popen[bytes]:
+    """A real Prometheus on 127.0.0.1:`web_port` with `config`, ready to query (stopped again
+    if it never gets ready)."""
+    proc = subprocess.Popen(
+        [binary, f"--config.file={config}", f"--storage.tsdb.path={tsdb}",
+         f"--web.listen-address=127.0.0.1:{web_port}", "--log.level=warn"],
+        stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    try:
+        _wait_ready(f"http://127.0.0.1:{web_port}", proc, log)
+    except BaseException:
+        _stop(proc)
+        raise
+    return proc
+
+
 def _wait_ready(base: str, proc: subprocess.Popen[bytes], log: Path) -> None:
     end = time.monotonic() + 30
     while time.monotonic() < end:
@@ -135,11 +151,7 @@ def test_remote_failure_alert_fires_on_a_live_run(tmp_path: Path) -> None:
     prom = healthy = faulty = None
     started = time.monotonic()
     try:
-        prom = subprocess.Popen(
-            [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{web_port}", "--log.level=warn"],
-            stdout=prom_log.open("wb"), stderr=subprocess.STDOUT)
-        _wait_ready(base, prom, prom_log)
+        prom = _start_prometheus(binary, config, tmp_path / "tsdb", web_port, prom_log)
 
         # A small device pool evicts documents, so later requests keep hitting the remote.
         pool = ("--num-blocks", "64", "--rate", "3")
