@@ -20,7 +20,8 @@ import pyarrow as pa
 SCHEMA_VERSION = 2
 #: 1: the first release. 2: requests gain `load_failed_mismatch_tokens`, `host_found_tokens`,
 #: `remote_found_tokens`, `preempted_loaded_tokens`, `output_digest`, `output_token_ids`, and
-#: `lookup_tokens` becomes block-aligned; spans gain `block` and `ledger` rows.
+#: `lookup_tokens` becomes block-aligned; spans gain `block` and `ledger` rows; layers gain
+#: `skipped_tokens` (0 when read from a store written without it).
 READABLE_SCHEMA_VERSIONS: tuple[int, ...] = (1, 2)
 
 # --------------------------------------------------------------------------------------------
@@ -45,8 +46,11 @@ STAGE_PRIORITY: tuple[str, ...] = (
 #: the accounting can be recomputed from them (analyzers.consistency).
 SPAN_KINDS: tuple[str, ...] = ("state", "activity", "step", "ledger")
 #: Names of ledger rows; `failed_<reason>` for each of LOAD_FAIL_REASONS.
+#: `group_limited`: tokens of a device hit that one layer group (a sliding window that no
+#: longer held the blocks before the hit's end) kept every group from using; its `layer` is
+#: the first layer of that group and `block` the chain position where the usable hit ended.
 LEDGER_OPS: tuple[str, ...] = ("lookup", "device_hit", "load", "preempted", "abandoned",
-                               "write", "evicted_again", "evicted_reloaded")
+                               "write", "evicted_again", "evicted_reloaded", "group_limited")
 STEP_PHASES: tuple[str, ...] = ("schedule", "prepare", "forward", "sample")
 TIERS: tuple[str, ...] = ("device", "host", "remote")
 STATUSES: tuple[str, ...] = ("ok", "error", "aborted")
@@ -170,6 +174,9 @@ LAYERS_SCHEMA = pa.schema(
         pa.field("prompt_tokens", _I64, nullable=False),
         pa.field("load_ns", _I64, nullable=False),
         pa.field("wait_ns", _I64, nullable=False),
+        # Prompt tokens outside a sliding-window layer's window: neither read nor recomputed
+        # by that layer (hit + loaded + recomputed + skipped = prompt, per layer).
+        pa.field("skipped_tokens", _I64, nullable=False),
     ]
 )
 

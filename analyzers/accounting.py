@@ -342,36 +342,93 @@ def _identity(requests: pd.DataFrame, cols: dict[str, np.ndarray], served: np.nd
     return pd.concat(frames, ignore_index=True)
 
 
-def layer_table(layers: pd.DataFrame) -> pd.DataFrame:
+def layer_groups_of(meta: dict[str, Any]) -> list[dict[str, Any]]:
+    """run.json's KV-cache layer groups (`config.tiers.device.layer_groups`): per group its
+    `name`, `kind`, `layers` and `window`; [] for a run that does not list them (one group)."""
+    cfg = meta.get("config") if isinstance(meta.get("config"), dict) else {}
+    dev = (cfg.get("tiers") or {}).get("device") if isinstance(cfg.get("tiers"), dict) else None
+    groups = dev.get("layer_groups") if isinstance(dev, dict) else None
+    if not isinstance(groups, list):
+        return []
+    return [g for g in groups if isinstance(g, dict) and isinstance(g.get("layers"), list)]
+
+
+def layer_table(layers: pd.DataFrame, groups: list[dict[str, Any]] | None = None
+                ) -> pd.DataFrame:
     """Per layer: tokens by source with ``prompt_tokens`` as the denominator, load and wait time.
 
     Args:
         layers: the run store's ``layers`` frame.
+        groups: the run's layer groups (`layer_groups_of`), to name each layer's group.
 
     Returns:
-        DataFrame ``layer, requests, prompt_tokens, hit_tokens, loaded_tokens,
-        recomputed_tokens, hit_share, loaded_share, recomputed_share, load_ns, wait_ns,
-        wait_mean_ns, identity_violations`` (rows where hit + loaded + recomputed differs from
-        prompt, e.g. a sliding-window layer group that keeps fewer tokens).
+        DataFrame ``layer, group, requests, prompt_tokens, hit_tokens, loaded_tokens,
+        recomputed_tokens, skipped_tokens, hit_share, loaded_share, recomputed_share,
+        skipped_share, load_ns, wait_ns, wait_mean_ns, identity_violations`` (rows where
+        hit + loaded + recomputed + skipped differs from prompt). `skipped` are the prompt
+        tokens outside a sliding-window layer's window (neither read nor recomputed there);
+        0 for full attention and for stores written before the column existed.
     """
     cols = ["hit_tokens", "loaded_tokens", "recomputed_tokens", "prompt_tokens", "load_ns",
             "wait_ns"]
     F.require_columns(layers, ["layer", *cols], "layers")
     df = pd.DataFrame({c: F.ints(layers[c], 0) for c in cols})
+    df["skipped_tokens"] = (F.ints(layers["skipped_tokens"], 0) if "skipped_tokens" in layers
+                            else np.zeros(len(layers), np.int64))
     df["layer"] = F.ints(layers["layer"], -1)
-    df["identity_violations"] = (df["hit_tokens"] + df["loaded_tokens"]
-                                 + df["recomputed_tokens"] != df["prompt_tokens"]).astype(np.int64)
+    df["identity_violations"] = (df["hit_tokens"] + df["loaded_tokens"] + df["recomputed_tokens"]
+                                 + df["skipped_tokens"] != df["prompt_tokens"]).astype(np.int64)
+    sums = [*cols, "skipped_tokens", "identity_violations"]
     g = df.groupby("layer", sort=True)
-    out = g[[*cols, "identity_violations"]].sum()
+    out = g[sums].sum()
     out.insert(0, "requests", g.size())
     den = out["prompt_tokens"].where(out["prompt_tokens"] > 0)
-    for c in ("hit", "loaded", "recomputed"):
+    for c in ("hit", "loaded", "recomputed", "skipped"):
         out[f"{c}_share"] = out[f"{c}_tokens"] / den
     out["wait_mean_ns"] = out["wait_ns"] / out["requests"]
     out = out.reset_index()
-    return out[["layer", "requests", "prompt_tokens", "hit_tokens", "loaded_tokens",
-                "recomputed_tokens", "hit_share", "loaded_share", "recomputed_share", "load_ns",
-                "wait_ns", "wait_mean_ns", "identity_violations"]]
+    name = {int(x): str(gr.get("name", gr.get("kind", ""))) for gr in groups or ()
+            for x in gr["layers"] if isinstance(x, int)}
+    out.insert(1, "group", [name.get(int(x)) for x in out["layer"]])
+    return out[["layer", "group", "requests", "prompt_tokens", "hit_tokens", "loaded_tokens",
+                "recomputed_tokens", "skipped_tokens", "hit_share", "loaded_share",
+                "recomputed_share", "skipped_share", "load_ns", "wait_ns", "wait_mean_ns",
+                "identity_violations"]]
+
+
+def group_limits(spans: pd.DataFrame, requests: pd.DataFrame,
+                 groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Device hits a layer group shortened, from the ``group_limited`` ledger rows.
+
+    A hit is usable only up to the shortest safe boundary across the groups: a sliding-window
+    group that no longer holds the blocks just before the full-attention hit's end cuts it
+    (the cut tokens are recomputed although the full-attention layers held them).
+
+    Returns:
+        Per group that cut a hit: ``{group, layers, requests, tokens, served, hit_tokens}``
+        — `requests` of `served` (requests in the run) met a cut, `tokens` were cut in all,
+        `hit_tokens` is the device hit tokens the run used (the cut is beside, not part of,
+        it). [] when no group cut anything.
+    """
+    if not len(spans) or "kind" not in spans or not groups:
+        return []
+    led = spans.loc[F.equals(spans["kind"], "ledger") & F.equals(spans["name"], "group_limited")]
+    if not len(led):
+        return []
+    first = {int(g["layers"][0]): g for g in groups if g["layers"]}
+    lay = F.ints(led["layer"], -1)
+    tok = F.ints(led["tokens"], 0)
+    rid = led["request_id"].to_numpy(object)
+    hit = (int(F.ints(requests["device_hit_tokens"], 0).sum())
+           if "device_hit_tokens" in requests else 0)
+    out = []
+    for layer in sorted(set(lay.tolist())):
+        m = lay == layer
+        g = first.get(int(layer), {"name": f"layer {layer}", "layers": [int(layer)]})
+        out.append({"group": str(g.get("name")), "layers": [int(x) for x in g["layers"]],
+                    "requests": len(set(rid[m].tolist())), "tokens": int(tok[m].sum()),
+                    "served": len(requests), "hit_tokens": hit})
+    return out
 
 
 @dataclass(slots=True, frozen=True)

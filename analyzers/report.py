@@ -22,6 +22,8 @@ from agent.schema import TTFT_STAGES
 from analyzers.accounting import (
     SecondsSaved,
     TokenAccounting,
+    group_limits,
+    layer_groups_of,
     layer_table,
     prefill_seconds_saved,
     token_accounting,
@@ -30,6 +32,7 @@ from analyzers.checks import accounting_problem, ledger_problem, partition_probl
 from analyzers.consistency import Consistency, check_consistency, kv_bytes_per_block_of
 from analyzers.costmodel import StepCost, fit_step_cost
 from analyzers.diagnose import DiagnoseReport, diagnose_report, render_markdown, render_text
+from analyzers.diagnose.model import share
 from analyzers.render import Table, md_table, text_table
 from analyzers.timebase import run_origin_ns
 from analyzers.ttft import partition, summarize, violations
@@ -75,6 +78,10 @@ class Report:
     breaker_events: list[dict[str, Any]] = field(default_factory=list)
     #: Injected-fault events (``fault`` events of the remote tier) by kind.
     fault_events: dict[str, int] = field(default_factory=dict)
+    #: The run's KV-cache layer groups (run.json; [] for a model with one kind of layer).
+    layer_groups: list[dict[str, Any]] = field(default_factory=list)
+    #: Device hits a layer group shortened (`analyzers.accounting.group_limits`).
+    group_limits: list[dict[str, Any]] = field(default_factory=list)
 
 
 def build_report(store: Any, *, diagnose: bool = True, by: str | None = None,
@@ -102,6 +109,7 @@ def build_report(store: Any, *, diagnose: bool = True, by: str | None = None,
                                events=store.events, run_config=meta.get("config"), part=part,
                                cost=cost, origin_ns=origin, run_path=str(store.path))
     writer = getattr(store, "writer", None)
+    groups = layer_groups_of(meta)
     run = {
         "path": str(store.path),
         "run_id": meta.get("run_id"),
@@ -119,7 +127,7 @@ def build_report(store: Any, *, diagnose: bool = True, by: str | None = None,
         ttft=summarize(part, by=by, window_ns=window_ns, origin_ns=origin),
         violations=violations(part),
         accounting=token_accounting(req),
-        layers=layer_table(store.layers),
+        layers=layer_table(store.layers, groups),
         cost=cost,
         saved=prefill_seconds_saved(req, cost, part),
         consistency=check_consistency(req, spans, block_size=block_size_of(meta),
@@ -130,6 +138,8 @@ def build_report(store: Any, *, diagnose: bool = True, by: str | None = None,
         faults=_injected_faults(meta.get("config")),
         breaker_events=_breaker_events(getattr(store, "events", None), origin),
         fault_events=_fault_events(getattr(store, "events", None)),
+        layer_groups=groups,
+        group_limits=group_limits(spans, req, groups),
     )
 
 
@@ -277,7 +287,9 @@ def render_json(report: Report) -> str:
     SecondsSaved.to_dict()},
     "findings": [Finding.to_dict()] | null, "diagnoses": DiagnoseReport.to_dict() | null,
     "slowest_request_ids": [id], "injected_faults": [spec], "fault_events": {kind: count},
-    "breaker_events": [{name, op, ts_ns, t_s}]}``
+    "breaker_events": [{name, op, ts_ns, t_s}], "layer_groups": [{name, kind, layers, window,
+    num_blocks, kv_bytes_per_block}], "group_limits": [{group, layers, requests, tokens, served,
+    hit_tokens}]}``
     (``diagnoses`` adds the rules not evaluated, with why, and the rules that passed). Times are
     integer or float ns; NaN is null.
     """
@@ -297,6 +309,8 @@ def render_json(report: Report) -> str:
         "injected_faults": list(report.faults),
         "fault_events": dict(report.fault_events),
         "breaker_events": list(report.breaker_events),
+        "layer_groups": list(report.layer_groups),
+        "group_limits": list(report.group_limits),
     }
     return json.dumps(_clean(doc), indent=2, allow_nan=False) + "\n"
 
@@ -431,10 +445,31 @@ def _accounting_section(report: Report, out: list[str], head: Any, table: Any,
 
     if len(report.layers):
         head("Per layer (denominator: prompt tokens)")
-        table(Table(["layer", "requests", "hit", "loaded", "recomputed", "load", "wait"],
-                    [[str(x.layer), f"{x.requests:,}", fmt_pct(x.hit_share),
-                      fmt_pct(x.loaded_share), fmt_pct(x.recomputed_share), fmt_ns(x.load_ns),
-                      fmt_ns(x.wait_ns)] for x in report.layers.itertuples()]))
+        lt = report.layers
+        grouped = bool(report.layer_groups) or bool((lt["skipped_tokens"] > 0).any())
+        if not grouped:
+            table(Table(["layer", "requests", "hit", "loaded", "recomputed", "load", "wait"],
+                        [[str(x.layer), f"{x.requests:,}", fmt_pct(x.hit_share),
+                          fmt_pct(x.loaded_share), fmt_pct(x.recomputed_share),
+                          fmt_ns(x.load_ns), fmt_ns(x.wait_ns)] for x in lt.itertuples()]))
+        else:
+            table(Table(["layer", "group", "requests", "hit", "loaded", "recomputed", "skipped",
+                         "load", "wait"],
+                        [[str(x.layer), x.group or "", f"{x.requests:,}", fmt_pct(x.hit_share),
+                          fmt_pct(x.loaded_share), fmt_pct(x.recomputed_share),
+                          fmt_pct(x.skipped_share), fmt_ns(x.load_ns), fmt_ns(x.wait_ns)]
+                         for x in lt.itertuples()]))
+            out.append("skipped: prompt tokens outside a sliding-window layer's window, "
+                       "neither read nor recomputed by it (hit + loaded + recomputed + "
+                       "skipped = prompt, per layer)")
+        for g in report.group_limits:
+            out.append(
+                f"Group limit: {share(g['requests'], g['served'], 'requests')} had their "
+                f"device hit cut by the {g['group']} layers {g['layers']}: {g['tokens']:,} "
+                "tokens the full-attention layers held were recomputed, because that group no "
+                "longer held the blocks just before the hit's end (a hit is usable only up to "
+                f"the shortest safe boundary of every group; the run's device hits used "
+                f"{g['hit_tokens']:,} tokens)")
 
 
 def _stage_rows(s: TTFTSummary) -> Table:

@@ -11,8 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from agent.layer_types import FULL, LAYER_TYPES, SLIDING
+
 DTYPES: tuple[str, ...] = ("float32", "float64", "bfloat16", "float16")
-MODEL_PRESETS: tuple[str, ...] = ("tiny", "small", "medium")
+MODEL_PRESETS: tuple[str, ...] = ("tiny", "small", "medium", "hybrid")
 #: How blocks reach the host tier: `evict` (device evictions are saved) or `through` (every new
 #: full block is written behind). See instrumented_engine.tiers.config.TierConfig.
 HOST_WRITES: tuple[str, ...] = ("evict", "through")
@@ -27,6 +29,19 @@ def _check_int(name: str, value: int, lo: int, hi: int | None = None) -> None:
     if value < lo or (hi is not None and value > hi):
         rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise ValueError(f"{name}: must be {rng}, got {value}")
+
+
+@dataclass(slots=True, frozen=True)
+class LayerGroup:
+    """Layers of one kind: `kind` (`FULL` or `SLIDING`), their indices, the window (tokens)."""
+
+    kind: str
+    layers: tuple[int, ...]
+    window: int | None = None
+
+    @property
+    def name(self) -> str:
+        return "full_attention" if self.window is None else f"sliding_window({self.window})"
 
 
 @dataclass(slots=True, frozen=True)
@@ -52,6 +67,11 @@ class ModelConfig:
     seed: int = 0
     model_id: str = "kvscope/tiny"
     revision: str = "init-seed-0"
+    #: Tokens a sliding-window layer attends to (itself and the `sliding_window - 1` before
+    #: it), and which layers do: per layer `agent.layer_types.FULL` or `SLIDING`. None: every
+    #: layer is full attention.
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         _check_int("model.vocab_size", self.vocab_size, 2)
@@ -72,6 +92,37 @@ class ModelConfig:
             raise ValueError(f"model.rope_theta: must be > 0, got {self.rope_theta}")
         if not self.rms_norm_eps > 0:
             raise ValueError(f"model.rms_norm_eps: must be > 0, got {self.rms_norm_eps}")
+        if self.sliding_window is not None:
+            _check_int("model.sliding_window", self.sliding_window, 1)
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"model.layer_types: expected {self.num_layers} entries (one "
+                                 f"per layer), got {len(self.layer_types)}")
+            bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if bad:
+                raise ValueError(f"model.layer_types: expected {' or '.join(LAYER_TYPES)}, "
+                                 f"got {', '.join(bad)}")
+            if SLIDING in self.layer_types and self.sliding_window is None:
+                raise ValueError("model.layer_types: sliding_attention layers need "
+                                 "model.sliding_window")
+
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Per layer, `FULL` or `SLIDING` (every layer full without a window)."""
+        if self.sliding_window is None:
+            return (FULL,) * self.num_layers
+        return self.layer_types or (SLIDING,) * self.num_layers
+
+    def layer_groups(self) -> tuple[LayerGroup, ...]:
+        """The KV-cache groups: layers of one kind share block tables and hit rules (vLLM's
+        KV-cache groups). Full attention first; one group per kind present."""
+        kinds = self.layer_kinds()
+        out = []
+        for kind in LAYER_TYPES:
+            layers = tuple(i for i, k in enumerate(kinds) if k == kind)
+            if layers:
+                out.append(LayerGroup(kind, layers,
+                                      self.sliding_window if kind == SLIDING else None))
+        return tuple(out)
 
     @classmethod
     def preset(cls, name: str, *, seed: int = 0, max_model_len: int = 4096) -> ModelConfig:
@@ -89,11 +140,19 @@ class ModelConfig:
                           num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32),
             "medium": dict(vocab_size=4096, hidden_size=512, intermediate_size=1408,
                            num_layers=6, num_heads=8, num_kv_heads=2, head_dim=64),
+            # Gemma-2 style: sliding-window layers (a window of 4 blocks of 16) alternating
+            # with full-attention ones.
+            "hybrid": dict(vocab_size=2048, hidden_size=128, intermediate_size=352,
+                           num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32),
         }
+        window: dict[str, Any] = {}
+        if name == "hybrid":
+            window = dict(sliding_window=64,
+                          layer_types=tuple(SLIDING if i % 2 == 0 else FULL for i in range(4)))
         if name not in shapes:
             raise ValueError(f"model preset: expected one of {', '.join(MODEL_PRESETS)}, "
                              f"got {name!r}")
-        return cls(**shapes[name], seed=seed, max_model_len=max_model_len,
+        return cls(**shapes[name], **window, seed=seed, max_model_len=max_model_len,
                    model_id=f"kvscope/{name}", revision=f"init-seed-{seed}")
 
 

@@ -25,7 +25,7 @@ from agent.telemetry import PoolStatus, Recorder
 from instrumented_engine.config import EngineConfig
 from instrumented_engine.core.block_hash import namespace_digest
 from instrumented_engine.core.block_pool import BlockPool
-from instrumented_engine.core.kv_cache_manager import KVCacheManager
+from instrumented_engine.core.kv_cache_manager import HybridKVCacheManager, KVCacheManager
 from instrumented_engine.core.request import Request, RequestOutput, SamplingParams
 from instrumented_engine.instrumentation import EngineInstrumentation
 from instrumented_engine.lifecycle import RequestLifecycle
@@ -78,14 +78,40 @@ class LLMEngine:
         elif model.cfg != mc:
             raise ValueError("model: its config differs from config.model")
         self.model_name = mc.model_id
-        self.pool = BlockPool(config.cache.num_blocks,
-                              enable_caching=config.cache.enable_prefix_caching)
-        self.kv = KVCacheManager(self.pool, config.cache.block_size)
-        self.runner = ModelRunner(model, config)
+        cc = config.cache
+        groups = mc.layer_groups()
+        self.kv: KVCacheManager | HybridKVCacheManager
+        if len(groups) == 1 and groups[0].window is None:
+            self.pool = BlockPool(cc.num_blocks, enable_caching=cc.enable_prefix_caching)
+            self.kv = KVCacheManager(self.pool, cc.block_size)
+        else:
+            # One device pool of `num_blocks` per layer group (each block holds only that
+            # group's layers, so the KV memory is that of `num_blocks` blocks of every layer).
+            if tier_config is not None and tier_config.active:
+                raise ValueError(
+                    "tiers: host and remote tiers do not support models with sliding-window "
+                    f"layers yet ({', '.join(g.name for g in groups)}); run without "
+                    "--host-blocks and --remote")
+            pools = [BlockPool(cc.num_blocks, enable_caching=cc.enable_prefix_caching)
+                     for _ in groups]
+            self.pool = pools[0]
+            self.kv = HybridKVCacheManager(groups, pools, cc.block_size)
+        self.runner = ModelRunner(model, config, self.kv)
         self.clock = recorder.now if recorder is not None else clock
+        skips = None
+        if isinstance(self.kv, HybridKVCacheManager):
+            kv, group_of = self.kv, [0] * mc.num_layers
+            for g, group in enumerate(groups):
+                for layer in group.layers:
+                    group_of[layer] = g
+
+            def skips(hit_tokens: int) -> list[int]:
+                per_group = kv.skipped_tokens(hit_tokens)
+                return [per_group[g] for g in group_of]
         self.life = RequestLifecycle(recorder, block_size=config.cache.block_size,
                                      num_layers=mc.num_layers, clock=self.clock,
-                                     record_output_ids=record_output_ids)
+                                     record_output_ids=record_output_ids, layer_skips=skips,
+                                     group_first_layer=[g.layers[0] for g in groups])
         self._wake = threading.Event()
         self.flow: TierFlow | None = None
         if tier_config is not None and tier_config.active:
@@ -315,7 +341,7 @@ class LLMEngine:
         if self.flow is not None:
             self.flow.after_step(reqs, num_new)
         outputs = self._update(reqs, num_new, inp.sampling, sampled, t4)
-        evicted = self.pool.take_evictions()
+        evicted = self.kv.take_evictions()
         self.stats.evicted_blocks += evicted
         if tel:
             tel.step_done(step_id, t0, t1, t2, t3, t4, batch, tokens)
@@ -326,7 +352,7 @@ class LLMEngine:
         """(Engine loop) pool samples and the engine's status, after a step or at close."""
         assert self.tel is not None
         flow = self.flow
-        pools = (PoolStatus("device", *self.pool.state_counts()),)
+        pools = (PoolStatus("device", *self.kv.state_counts()),)
         host = flow.host_pool() if flow is not None else None
         if host is not None:
             pools += (host,)

@@ -28,7 +28,7 @@ accounting is still kept (tests and `LLMEngine(recorder=None)`) and nothing is r
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from agent.schema import LOAD_FAIL_REASONS, STATE_CODE
@@ -93,16 +93,25 @@ class RequestLifecycle:
             records nothing.
         block_size: tokens per block (for `lookup_tokens`).
         num_layers: rows per request in the layers table.
+        layer_skips: for models with sliding-window layers, hit tokens → per layer the
+            tokens of that hit the layer skips (`skipped_tokens` in the layers table).
+        group_first_layer: per layer group, its first layer (names a limiting group in the
+            `group_limited` ledger row).
         clock: the monotonic clock in ns (the recorder's when there is one).
         record_output_ids: store each request's output token ids in its row (a digest of
             them is always stored).
     """
 
     def __init__(self, recorder: Recorder | None, *, block_size: int, num_layers: int,
-                 clock: Callable[[], int], record_output_ids: bool = False) -> None:
+                 clock: Callable[[], int], record_output_ids: bool = False,
+                 layer_skips: Callable[[int], Sequence[int]] | None = None,
+                 group_first_layer: Sequence[int] = ()) -> None:
         self.rec = recorder
         self.block_size = block_size
         self.num_layers = num_layers
+        #: hit tokens → per layer, the tokens of that hit its window skips (layer groups).
+        self.layer_skips = layer_skips
+        self.group_first_layer = tuple(group_first_layer)
         self.clock = clock
         self.record_output_ids = record_output_ids
         self._nums = itertools.count()
@@ -186,6 +195,11 @@ class RequestLifecycle:
             # Opens the admission's ledger rows (the tiers' loads and failures follow).
             self.rec.ledger("device_hit", req.request_num, tier="device",
                             tokens=device_hit_tokens, block=0)
+            cut, group = req.group_limit
+            if cut and 0 <= group < len(self.group_first_layer):
+                self.rec.ledger("group_limited", req.request_num, tier="device", tokens=cut,
+                                block=device_hit_tokens // self.block_size,
+                                layer=self.group_first_layer[group])
 
     def needed_again(self, req: Request, *, loaded: int, recomputed: int,
                      host_evicted: int) -> None:
@@ -260,10 +274,13 @@ class RequestLifecycle:
         rn = req.request_num
         rec.first_token(rn, t)
         loaded = a.host_loaded_tokens + a.remote_loaded_tokens
+        skips = (self.layer_skips(a.device_hit_tokens) if self.layer_skips is not None
+                 else None)
         for layer in range(self.num_layers):
             load_ns, wait_ns = layer_times(req, layer) if layer_times else (0, 0)
-            rec.layer(rn, layer, a.device_hit_tokens, loaded, a.recomputed_tokens,
-                      a.prompt_tokens, load_ns, wait_ns)
+            skipped = skips[layer] if skips is not None else 0
+            rec.layer(rn, layer, a.device_hit_tokens - skipped, loaded, a.recomputed_tokens,
+                      a.prompt_tokens, load_ns, wait_ns, skipped)
 
     def preempted(self, req: Request, lost_tokens: int, t: int | None = None) -> None:
         """(Scheduler) preempted by recompute: `lost_tokens` computed since its admission are

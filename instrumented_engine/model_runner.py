@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from instrumented_engine.config import EngineConfig
+from instrumented_engine.core.kv_cache_manager import HybridKVCacheManager
 from instrumented_engine.core.request import Request
 from instrumented_engine.model.attention import AttentionMetadata, build_metadata
 from instrumented_engine.model.llama import LlamaModel
@@ -34,14 +36,15 @@ class StepInputs:
     Attributes:
         input_ids: (T,) new tokens of every request, concatenated.
         positions: (T,) their absolute positions.
-        meta: attention metadata (slot mapping, context gathers, masks).
+        meta: attention metadata (slot mapping, context gathers, masks); with several layer
+            groups, one per layer (layers of a group share theirs).
         logits_rows: (S,) rows of `input_ids` whose logits are sampled.
         sampling: the requests those rows belong to, in the same order.
     """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
-    meta: AttentionMetadata
+    meta: AttentionMetadata | list[AttentionMetadata]
     logits_rows: torch.Tensor
     sampling: list[Request]
 
@@ -54,9 +57,12 @@ class ModelRunner:
         cfg: the engine config (pool shape, device).
     """
 
-    def __init__(self, model: LlamaModel, cfg: EngineConfig) -> None:
+    def __init__(self, model: LlamaModel, cfg: EngineConfig, kv: Any = None) -> None:
         self.model = model
         self.cfg = cfg
+        #: The hybrid KV manager when the model has several layer groups (block tables per
+        #: group); None: one table per request (`req.blocks`).
+        self.hybrid = kv if isinstance(kv, HybridKVCacheManager) else None
         self.device = torch.device(cfg.device)
         mc, cc = model.cfg, cfg.cache
         shape = (cc.num_blocks, cc.block_size, mc.num_kv_heads, mc.head_dim)
@@ -88,13 +94,25 @@ class ModelRunner:
             ids += req.token_ids[start:end]
             pos_parts.append(np.arange(start, end, dtype=np.int64))
             ctx_lens.append(end)
-            tables.append([b.block_id for b in req.blocks])
+            if self.hybrid is None:
+                tables.append([b.block_id for b in req.blocks])
             row += n
             if end == req.num_tokens:
                 rows.append(row - 1)
                 sampling.append(req)
         dev = self.device
-        meta = build_metadata(num_new, ctx_lens, tables, bs, dev)
+        meta: AttentionMetadata | list[AttentionMetadata]
+        if self.hybrid is None:
+            meta = build_metadata(num_new, ctx_lens, tables, bs, dev)
+        else:
+            per_req = [self.hybrid.block_tables(r) for r in reqs]
+            layer_meta: list[AttentionMetadata | None] = [None] * self.model.cfg.num_layers
+            for g, group in enumerate(self.hybrid.groups):
+                m = build_metadata(num_new, ctx_lens, [t[g] for t in per_req], bs, dev,
+                                   window=group.window)
+                for layer in group.layers:
+                    layer_meta[layer] = m
+            meta = [m for m in layer_meta if m is not None]
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
             positions=torch.from_numpy(np.concatenate(pos_parts)).to(dev),

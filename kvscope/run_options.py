@@ -102,10 +102,12 @@ class RunOptions:
                     hi=MAX_SEED)
     out: Path | None = opt(None, "--out", "Run directory; default runs/<workload>-<time>.",
                            short="-o")
-    model: str = opt("small", "--model", "tiny, small, medium (random weights) or a Hugging "
-                     "Face Llama checkpoint directory.")
+    model: str = opt("small", "--model", "tiny, small, medium, hybrid (random weights; hybrid: "
+                     "sliding-window layers of 64 tokens alternating with full attention) or a "
+                     "Hugging Face Llama checkpoint directory.")
     block_size: int = opt(16, "--block-size", "Tokens per KV block.", lo=1, hi=4096)
-    num_blocks: int = opt(512, "--num-blocks", "Device KV pool size in blocks.", lo=1,
+    num_blocks: int = opt(512, "--num-blocks", "Device KV pool size in blocks (per layer "
+                          "group for models with sliding-window layers).", lo=1,
                           hi=MAX_BLOCKS)
     max_num_seqs: int = opt(16, "--max-num-seqs", "Requests running at once.", lo=1, hi=4096)
     max_batched_tokens: int = opt(512, "--max-batched-tokens",

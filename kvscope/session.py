@@ -279,6 +279,17 @@ def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: str) -> int:
             * _element_bytes(dtype))
 
 
+def layer_groups_info(model: ModelConfig, block_size: int, num_blocks: int,
+                      dtype: str) -> list[dict[str, Any]]:
+    """run.json's `tiers.device.layer_groups`: per KV-cache group its name, kind, layers,
+    window (tokens, null for full attention), device pool size and bytes per block (that
+    group's layers only)."""
+    per_layer = 2 * block_size * model.num_kv_heads * model.head_dim * _element_bytes(dtype)
+    return [{"name": g.name, "kind": g.kind, "layers": list(g.layers), "window": g.window,
+             "num_blocks": num_blocks, "kv_bytes_per_block": per_layer * len(g.layers)}
+            for g in model.layer_groups()]
+
+
 def weight_bytes(model: ModelConfig, dtype: str) -> int:
     """Bytes of a Llama-style model's weights: embeddings (and the LM head unless tied), per
     layer the attention projections, the SwiGLU MLP and two norms, and the final norm."""
@@ -513,6 +524,21 @@ def _profiler(enabled: bool, recorder: Any, out: Path) -> Iterator[None]:
     prof.export_chrome_trace(str(path))
 
 
+def _check_layer_groups(opts: RunOptions) -> None:
+    """Refuse tiers for a model with sliding-window layers (not supported yet): in one line,
+    before anything is opened."""
+    model = _model_config(opts)
+    if model is None or model.sliding_window is None:
+        return
+    flags = [f for f, on in (("--host-blocks", opts.host_blocks), ("--remote", opts.remote))
+             if on]
+    if flags:
+        groups = ", ".join(f"{g.name} layers {list(g.layers)}" for g in model.layer_groups())
+        raise InputError(f"{' '.join(flags)}: the host and remote tiers do not support models "
+                         f"with sliding-window layers yet (--model {opts.model}: {groups}); "
+                         "run without them")
+
+
 def run_session(opts: RunOptions, *, on_start: Callable[[int, str | None], None] | None = None,
                 on_finished: Callable[[RequestOutput], None] | None = None,
                 metrics_server: str = "process") -> RunSummary:
@@ -531,6 +557,7 @@ def run_session(opts: RunOptions, *, on_start: Callable[[int, str | None], None]
     """
     _check_device(opts)
     check_resources(opts)  # before anything is allocated, opened or written
+    _check_layer_groups(opts)
     if opts.out is None:
         opts = dataclasses.replace(opts, out=default_out(opts.workload))
     assert opts.out is not None
@@ -587,6 +614,9 @@ def run_session(opts: RunOptions, *, on_start: Callable[[int, str | None], None]
         "tiers": {"device": {"block_size": cfg.cache.block_size,
                              "num_blocks": cfg.cache.num_blocks,
                              "kv_bytes_per_block": engine.runner.kv_bytes_per_block,
+                             "layer_groups": layer_groups_info(cfg.model, cfg.cache.block_size,
+                                                               cfg.cache.num_blocks,
+                                                               run_dtype(opts)),
                              "load_mode": tiers.load_mode},
                   "host": {"num_blocks": tiers.host_blocks, "write": tiers.host_write,
                            "blocks_at_start": (len(engine.flow.host) if engine.flow is not None

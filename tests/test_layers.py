@@ -25,8 +25,10 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("agent", "collectors", "instrumented_engine", "analyzers", "dashboard", "kvscope")
 
 #: The contract everyone may import: the vocabulary, schemas and metric catalogue, the clock,
-#: the error types, the interval algebra of the partition, and the version.
-CONTRACT = ("agent", "agent.schema", "agent.clock", "agent.errors", "agent.intervals")
+#: the error types, the interval algebra of the partition, the reading of a model config's
+#: layer types (engine and planner agree on it), and the version.
+CONTRACT = ("agent", "agent.schema", "agent.clock", "agent.errors", "agent.intervals",
+            "agent.layer_types")
 #: Reading a run store (the writer is the telemetry plane's).
 READER = ("agent.runstore.reader", "agent.runstore.layout")
 TELEMETRY = ("agent.telemetry",)

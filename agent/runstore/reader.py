@@ -326,6 +326,9 @@ _ADDED_IN_V2: dict[str, dict[str, Any]] = {
                  "remote_found_tokens": 0, "preempted_loaded_tokens": 0,
                  "output_digest": None, "output_token_ids": None},
     "spans": {"block": None},
+    # Added to version 2 after its first stores were written (layer groups): 0 in any store
+    # written without it (no layer skipped anything before sliding-window models).
+    "layers": {"skipped_tokens": 0},
 }
 
 
@@ -349,6 +352,8 @@ def upgrade(tbl: pa.Table, name: str, version: int, meta: dict[str, Any] | None 
     capped at prompt - 1 in version 1) becomes the largest multiple of the block size that is
     <= prompt - 1, recomputed from `prompt_tokens` and run.json's block size."""
     if version >= 2:
+        if name == "layers" and "skipped_tokens" not in tbl.column_names:
+            tbl = tbl.append_column("skipped_tokens", pa.array([0] * tbl.num_rows, pa.int64()))
         return tbl
     for col, value in _ADDED_IN_V2.get(name, {}).items():
         if col in tbl.column_names:

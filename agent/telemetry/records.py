@@ -124,7 +124,7 @@ class OtherRecords:
 
     def ledger(self, name: str, request_num: int, *, t: int | None = None,
                tier: str | None = None, tokens: int = -1, nbytes: int = -1, block: int = -1,
-               transfer_id: int = -1) -> None:
+               transfer_id: int = -1, layer: int = -1) -> None:
         """One ledger row (kind `ledger`): a physical operation behind a request's accounting
         — a tier's lookup, a load by origin tier, a failure, a computed chunk, a write — with
         its tokens, bytes and first chain position (`block`). Any thread.
@@ -141,8 +141,10 @@ class OtherRecords:
             if not -1 <= block <= I32_MAX:
                 raise ValueError(f"block out of range: {block}")
             t = self._clock() if t is None else _index(t)
-            row = (request_num, code, t, t, tcode, -1, tokens, nbytes, transfer_id, CLOCK_CPU,
-                   KIND_LEDGER, block)
+            if not -1 <= layer <= I32_MAX:
+                raise ValueError(f"layer out of range: {layer}")
+            row = (request_num, code, t, t, tcode, layer, tokens, nbytes, transfer_id,
+                   CLOCK_CPU, KIND_LEDGER, block)
             self._put_activity(row, request_num)
         except Exception:
             self._error()
@@ -195,7 +197,7 @@ class OtherRecords:
 
     def layer(self, rn: int, layer: int, hit_tokens: int, loaded_tokens: int,
               recomputed_tokens: int, prompt_tokens: int, load_ns: int = 0,
-              wait_ns: int = 0) -> None:
+              wait_ns: int = 0, skipped_tokens: int = 0) -> None:
         """One row of the per-layer table for request `rn` (skipped and counted when `rn` is
         unknown: the table's request_id is never null)."""
         try:
@@ -205,7 +207,7 @@ class OtherRecords:
             if rid is None:
                 return
             row = (rn, layer, hit_tokens, loaded_tokens, recomputed_tokens, prompt_tokens,
-                   load_ns, wait_ns)
+                   load_ns, wait_ns, skipped_tokens)
             if threading.get_ident() == self._owner:
                 self._append(self._layers, row)
             else:

@@ -29,7 +29,7 @@ from agent.telemetry.buffers import Chunk, chunk_waits, coded_strings, concat_co
 _ACTIVITY_KINDS = ("activity", "ledger")
 
 LAYER_COLS = ("request_num", "layer", "hit_tokens", "loaded_tokens", "recomputed_tokens",
-              "prompt_tokens", "load_ns", "wait_ns")
+              "prompt_tokens", "load_ns", "wait_ns", "skipped_tokens")
 
 
 class IdLookup(Protocol):

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.errors import InputError
+from agent.layer_types import SLIDING, layer_types
 from analyzers.plan.model import DTYPE_BYTES, ModelKV
 
 #: torch dtype names → `--dtype` names.
@@ -108,20 +109,9 @@ def _dtype(c: _Config) -> tuple[str, str] | None:
 
 
 def _window_layers(c: _Config, layers: int) -> tuple[int, str]:
-    """How many layers use the sliding window, by the conventions of the model families."""
-    types = c.cfg.get("layer_types")
-    if isinstance(types, list) and types:
-        n = sum(t == "sliding_attention" for t in types)
-        return n, f"{c.src('layer_types')} ({n} × sliding_attention)"
-    pattern = c.get_int("sliding_window_pattern")
-    if pattern is not None:  # Gemma 3: every pattern-th layer is global
-        return layers - layers // pattern, f"{c.src('sliding_window_pattern')} = {pattern}"
-    if c.cfg.get("model_type") == "gemma2":  # even layers slide
-        return (layers + 1) // 2, f"{c.label}: model_type gemma2 (alternating layers)"
-    first = c.get_int("max_window_layers", minimum=0)
-    if c.cfg.get("use_sliding_window") is True and first is not None:  # Qwen 2
-        return max(0, layers - first), f"{c.src('max_window_layers')} = {first}"
-    return layers, f"{c.src('sliding_window')} (every layer)"
+    """How many layers use the sliding window (agent.layer_types, the engine's reading too)."""
+    types, source = layer_types(c.cfg, layers, c.label)
+    return sum(t == SLIDING for t in types), source
 
 
 def _dir_name(config: str | os.PathLike[str] | None) -> str | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from instrumented_engine.core.block_hash import extend_block_hashes
 from instrumented_engine.core.block_pool import BlockPool, KVBlock
@@ -23,6 +24,14 @@ class KVCacheManager:
         #: Chain positions of the blocks the last `allocate_slots` cached again after an
         #: earlier eviction.
         self.recached: list[int] = []
+
+    def state_counts(self) -> tuple[int, int, int]:
+        """(in_use, cached_free, empty) of the device pool."""
+        return self.pool.state_counts()
+
+    def take_evictions(self) -> int:
+        """Blocks the device pool evicted since the last call."""
+        return self.pool.take_evictions()
 
     def hash_prompt(self, req: Request) -> None:
         """Compute the chained digests of the request's full blocks (at arrival)."""
@@ -105,3 +114,232 @@ class KVCacheManager:
         self.pool.free(reversed(req.blocks))
         req.blocks = []
         req.num_cached_blocks = 0
+
+
+class GroupRules:
+    """The block rules of one KV-cache group (vLLM's single-type managers, one per kind).
+
+    Full attention (`window` None) needs every block of the context: its usable hit is the
+    longest cached prefix, and it frees nothing while a request runs. A sliding-window layer
+    attends to itself and the `window - 1` tokens before it: a hit ending at block L needs only
+    the `ceil((window - 1) / block_size)` blocks before L (the earlier ones are *skipped*: never
+    read, never recomputed), and once a request's next token is past a block's last token by a
+    whole window, that block is freed (`None` in the group's block table).
+    """
+
+    def __init__(self, pool: BlockPool, block_size: int, window: int | None) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.window = window
+        #: Blocks before a hit's end that the window reads (0: full attention reads all).
+        self.need = 0 if window is None else -(-(window - 1) // block_size)
+
+    def hit_blocks(self, hashes: Sequence[bytes], limit: int) -> int:
+        """The longest usable hit, in blocks, no longer than `limit`."""
+        if not self.pool.enable_caching or limit <= 0:
+            return 0
+        cached = self.pool.cached
+        if self.window is None:
+            n = 0
+            for h in hashes[:limit]:
+                if h not in cached:
+                    break
+                n += 1
+            return n
+        # Right to left: the first run of `need` cached blocks ends the longest usable hit; a
+        # run reaching block 0 is usable whatever its length.
+        run = 0
+        for i in range(limit - 1, -1, -1):
+            if hashes[i] in cached:
+                run += 1
+                if run >= self.need:
+                    return i + self.need
+            else:
+                run = 0
+        return run
+
+    def hit_table(self, hashes: Sequence[bytes], n: int) -> list[KVBlock | None]:
+        """The block table of a hit of `n` blocks (None where the window skips)."""
+        first = max(0, n - self.need) if self.window is not None else 0
+        get = self.pool.cached.__getitem__
+        return [None] * first + [get(h) for h in hashes[first:n]]
+
+    def skipped_blocks(self, num_computed: int) -> int:
+        """Leading blocks no later token of the request reads (0 for full attention)."""
+        if self.window is None:
+            return 0
+        return max(0, num_computed - self.window + 1) // self.block_size
+
+    def skipped_tokens(self, hit_tokens: int) -> int:
+        """Of a hit of `hit_tokens`, the tokens this group neither reads nor recomputes."""
+        if self.window is None:
+            return 0
+        return max(0, hit_tokens // self.block_size - self.need) * self.block_size
+
+
+class HybridKVCacheManager:
+    """Block tables for models whose layers form several KV-cache groups (sliding-window
+    layers beside full-attention ones), with one device pool per group.
+
+    A request holds one block table per group (`req.group_blocks`). A prefix hit must be
+    usable by **every** group, so the usable hit is the shortest of the groups' limits: the
+    full-attention group's longest cached prefix, shortened by each window group to the longest
+    length whose last window of blocks that group still holds (`GroupRules.hit_blocks`). When a
+    group shortens the hit, the request's `group_limit` says by how many tokens and which group.
+    The interface is `KVCacheManager`'s, so the scheduler drives both alike.
+
+    Args:
+        groups: the model's layer groups (`ModelConfig.layer_groups()`).
+        pools: one device pool per group, in the same order.
+        block_size: tokens per block (one chain of digests serves every group).
+    """
+
+    def __init__(self, groups: Sequence[Any], pools: Sequence[BlockPool], block_size: int) -> None:
+        if len(groups) != len(pools) or not groups:
+            raise ValueError("one pool per layer group")
+        self.groups = tuple(groups)
+        self.pools = tuple(pools)
+        self.pool = pools[0]
+        self.block_size = block_size
+        self.rules = [GroupRules(p, block_size, g.window) for g, p in zip(groups, pools,
+                                                                          strict=True)]
+        self.recached: list[int] = []
+        #: Per request (by id): the hit tables `get_computed_blocks` found for the groups after
+        #: the first, taken by the next `allocate_slots` of that request.
+        self._pending: dict[str, list[list[KVBlock | None]]] = {}
+
+    # ------------------------------------------------------------------ queries
+    def state_counts(self) -> tuple[int, int, int]:
+        """(in_use, cached_free, empty) summed over the groups' pools."""
+        counts = [p.state_counts() for p in self.pools]
+        return (sum(c[0] for c in counts), sum(c[1] for c in counts),
+                sum(c[2] for c in counts))
+
+    def take_evictions(self) -> int:
+        return sum(p.take_evictions() for p in self.pools)
+
+    def hash_prompt(self, req: Request) -> None:
+        extend_block_hashes(req.block_hashes, req.token_ids, self.block_size, req.namespace)
+
+    def _limits(self, req: Request) -> tuple[int, list[int]]:
+        """(usable hit in blocks, each group's own limit) for the request now."""
+        limit = (req.num_tokens - 1) // self.block_size
+        per = []
+        for rules in self.rules:
+            limit = rules.hit_blocks(req.block_hashes, limit)
+            per.append(limit)
+        # A later group can only shorten; every earlier group's rule holds for any shorter
+        # hit too (a full-attention prefix is downward closed; a window hit is re-checked).
+        for _ in range(len(self.rules)):
+            again = [r.hit_blocks(req.block_hashes, limit) for r in self.rules]
+            if min(again) == limit:
+                break
+            limit = min(again)
+        return limit, per
+
+    def probe(self, req: Request) -> int:
+        """Usable hit blocks now (a promise: no reference taken)."""
+        return self._limits(req)[0]
+
+    def get_computed_blocks(self, req: Request) -> list[KVBlock]:
+        """The usable hit, as blocks of the first group (the others are kept for
+        `allocate_slots`); sets `req.group_limit`."""
+        self.hash_prompt(req)
+        n, per = self._limits(req)
+        req.group_limit = (0, -1)
+        top = per[0]
+        if top > n:
+            # The first group held more than every group can use: name the group that cut it.
+            worst = min(range(len(per)), key=lambda g: (per[g], g))
+            req.group_limit = ((top - n) * self.block_size, worst)
+        if not n:
+            self._pending.pop(req.request_id, None)
+            return []
+        tables = [r.hit_table(req.block_hashes, n) for r in self.rules]
+        self._pending[req.request_id] = tables[1:]
+        # NOTE: when the first group is a window group its skipped hit blocks are None; the
+        # scheduler only counts this list and hands it back to `allocate_slots`.
+        return tables[0]  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------ mutations
+    def _tables(self, req: Request) -> list[list[KVBlock | None]]:
+        if not req.group_blocks:
+            req.group_blocks = [[] for _ in self.rules]
+            req.group_cached = [0] * len(self.rules)
+        return req.group_blocks
+
+    def allocate_slots(self, req: Request, num_new_tokens: int,
+                       new_computed: Sequence[KVBlock] = ()) -> bool:
+        """As `KVCacheManager.allocate_slots`, for every group at once (all or nothing).
+
+        Before allocating, each window group frees the blocks no later token reads."""
+        bs = self.block_size
+        self.recached = []
+        tables = self._tables(req)
+        pending = self._pending.get(req.request_id) if new_computed else None
+        hits: list[list[KVBlock | None]] = [list(new_computed),
+                                            *(pending or [[] for _ in self.rules[1:]])]
+        n_hit = len(hits[0])
+        computed = req.num_computed_tokens + n_hit * bs
+        total = computed + num_new_tokens
+        for rules, table in zip(self.rules, tables, strict=True):
+            self._free_skipped(rules, table, req.num_computed_tokens)
+        needs = []
+        for rules, table, hit in zip(self.rules, tables, hits, strict=True):
+            need = max(0, -(-total // bs) - len(table) - len(hit))
+            evictable = sum(1 for b in hit if b is not None and b.ref_cnt == 0)
+            if need + evictable > rules.pool.num_free_blocks:
+                return False
+            needs.append(need)
+        self._pending.pop(req.request_id, None)
+        for g, (rules, table, hit, need) in enumerate(zip(self.rules, tables, hits, needs,
+                                                          strict=True)):
+            pool = rules.pool
+            if hit:
+                pool.touch([b for b in hit if b is not None])
+                table.extend(hit)
+                req.group_cached[g] = len(table)
+            if need:
+                table.extend(pool.get_new_blocks(need))
+            if pool.enable_caching:
+                n_full = total // bs
+                if n_full > req.group_cached[g]:
+                    extend_block_hashes(req.block_hashes, req.token_ids[: n_full * bs], bs,
+                                        req.namespace)
+                    for i in range(req.group_cached[g], n_full):
+                        b = table[i]
+                        if b is not None and pool.cache_block(b, req.block_hashes[i]) and g == 0:
+                            self.recached.append(i)
+                    req.group_cached[g] = n_full
+        if self.groups[0].window is None:
+            req.blocks = tables[0]  # type: ignore[assignment]
+        req.num_cached_blocks = req.group_cached[0]
+        return True
+
+    @staticmethod
+    def _free_skipped(rules: GroupRules, table: list[KVBlock | None], num_computed: int) -> None:
+        n = min(rules.skipped_blocks(num_computed), len(table))
+        gone = [b for b in table[:n] if b is not None]
+        if gone:
+            rules.pool.free(reversed(gone))
+            for i in range(n):
+                table[i] = None
+
+    def free(self, req: Request) -> None:
+        """Release every group's blocks, tail first."""
+        for rules, table in zip(self.rules, req.group_blocks or (), strict=False):
+            rules.pool.free(reversed([b for b in table if b is not None]))
+        self._pending.pop(req.request_id, None)
+        req.group_blocks = []
+        req.group_cached = []
+        req.blocks = []
+        req.num_cached_blocks = 0
+
+    def block_tables(self, req: Request) -> list[list[int]]:
+        """Per group, the block ids of the request's table (0 where a window skipped: those
+        slots are never read or written)."""
+        return [[0 if b is None else b.block_id for b in t] for t in req.group_blocks]
+
+    def skipped_tokens(self, hit_tokens: int) -> list[int]:
+        """Per group, the tokens of a `hit_tokens` hit that the group skips."""
+        return [r.skipped_tokens(hit_tokens) for r in self.rules]

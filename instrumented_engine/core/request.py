@@ -55,7 +55,8 @@ class Request:
 
     __slots__ = (
         "acct", "admission_loaded_tokens", "admitted_hit_tokens", "arrival_ns", "block_hashes",
-        "blocks", "cache_salt", "finish_ns", "first_token_ns", "generator", "lookup_done_ns",
+        "blocks", "cache_salt", "finish_ns", "first_token_ns", "generator", "group_blocks",
+        "group_cached", "group_limit", "lookup_done_ns",
         "lookup_probes", "max_tokens",
         "namespace", "num_cached_blocks", "num_computed_tokens", "prompt_len", "request_id",
         "request_num", "sampling", "state", "status", "tenant", "tier", "token_ids",
@@ -83,6 +84,12 @@ class Request:
         self.blocks: list[KVBlock] = []
         self.block_hashes: list[BlockHash] = []
         self.num_cached_blocks = 0
+        #: With several layer groups (core.kv_cache_manager.HybridKVCacheManager): each
+        #: group's block table (None where a window skipped a block) and cached-block count,
+        #: and the latest admission's (tokens a group cut from the hit, that group's index).
+        self.group_blocks: list[list[KVBlock | None]] = []
+        self.group_cached: list[int] = []
+        self.group_limit: tuple[int, int] = (0, -1)
         self.request_num = -1
         self.state = -1  # the recorder state code this request is in (mirror; -1 = none)
         self.arrival_ns = 0

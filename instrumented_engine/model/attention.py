@@ -50,6 +50,7 @@ def build_metadata(
     block_tables: list[list[int]],
     block_size: int,
     device: torch.device,
+    window: int | None = None,
 ) -> AttentionMetadata:
     """Attention metadata of one ragged batch.
 
@@ -59,6 +60,9 @@ def build_metadata(
         block_tables: block ids per request, covering at least `context_lens[i]` tokens.
         block_size: tokens per block.
         device: where the index tensors live.
+        window: for a sliding-window layer group, the tokens a query sees (itself and the
+            `window - 1` before it); only those keys are gathered, so the blocks before them
+            may be gone from the block table.
 
     Returns:
         The metadata; `slot_mapping` covers exactly sum(query_lens) rows.
@@ -73,22 +77,29 @@ def build_metadata(
     dec_slots: list[np.ndarray] = []
     row = 0
     for n, ctx, table in zip(query_lens, context_lens, block_tables, strict=True):
-        nb = -(-ctx // block_size)
-        blocks = np.asarray(table[:nb], dtype=np.int64)
-        ctx_slots = (blocks[:, None] * block_size + offsets).reshape(-1)[:ctx]  # (ctx,)
-        new_slots.append(ctx_slots[ctx - n:])
+        # Keys from `lo` on: the whole context, or the window of the chunk's first query.
+        lo = 0 if window is None else max(0, ctx - n - window + 1)
+        b0, nb = lo // block_size, -(-ctx // block_size)
+        blocks = np.asarray(table[b0:nb], dtype=np.int64)
+        ctx_slots = (blocks[:, None] * block_size + offsets).reshape(-1)[lo - b0 * block_size:
+                                                                          ctx - b0 * block_size]
+        new_slots.append(ctx_slots[len(ctx_slots) - n:])
         if n == 1:
             dec_rows.append(row)
             dec_slots.append(ctx_slots)
         else:
             prefill_rows.append((row, row + n))
             prefill_slots.append(torch.from_numpy(ctx_slots).to(device))
-            if n == ctx:
+            if n == ctx and (window is None or ctx <= window):
                 prefill_masks.append(None)
             else:
-                # Query j sits at position ctx - n + j and sees keys 0..ctx - n + j.
+                # Query j sits at position ctx - n + j and sees keys lo..ctx - n + j (within
+                # the window, when there is one).
                 q_pos = np.arange(ctx - n, ctx)[:, None]
-                mask = np.arange(ctx)[None, :] <= q_pos  # (n, ctx)
+                k_pos = np.arange(lo, ctx)[None, :]
+                mask = k_pos <= q_pos  # (n, ctx - lo)
+                if window is not None:
+                    mask &= q_pos - k_pos < window
                 prefill_masks.append(torch.from_numpy(mask).to(device))
         row += n
     slot_mapping = torch.from_numpy(np.concatenate(new_slots)).to(device)

@@ -152,7 +152,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata,
+                meta: AttentionMetadata | Sequence[AttentionMetadata],
                 layer_ready: Callable[[int], None] | None = None) -> torch.Tensor:
         """Hidden states of the flat batch.
 
@@ -160,7 +160,8 @@ class LlamaModel(nn.Module):
             input_ids: (T,) token ids.
             positions: (T,) absolute positions.
             kv_caches: per layer (k_cache, v_cache), each (num_blocks, block_size, nkv, hd).
-            meta: the step's attention metadata.
+            meta: the step's attention metadata, or one per layer (layer groups: a
+                sliding-window layer reads only its window).
             layer_ready: called with each layer's index before that layer touches its KV
                 cache (layer-wise loading waits there for the layer's copy).
 
@@ -170,10 +171,11 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)  # (T, H)
         cos = self.cos_table.index_select(0, positions)  # (T, hd)
         sin = self.sin_table.index_select(0, positions)
+        metas = meta if isinstance(meta, Sequence) else None
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if layer_ready is not None:
                 layer_ready(i)
-            x = layer(x, cos, sin, kv, meta)
+            x = layer(x, cos, sin, kv, metas[i] if metas is not None else meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

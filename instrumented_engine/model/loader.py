@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from agent.errors import InputError
+from agent.layer_types import layer_types, sliding_window
 from instrumented_engine.config import ModelConfig
 from instrumented_engine.model.llama import LlamaModel
 
@@ -60,6 +61,12 @@ def read_hf_config(path: str | Path, *, max_model_len: int | None = None) -> Mod
         scaling = tuple(sorted((k, v) for k, v in scaling.items() if k not in ("type",
                                                                                "rope_type")))
     heads = int(raw["num_attention_heads"])
+    # The window fields as the planner reads them (agent.layer_types).
+    window = sliding_window(raw, str(cfg_path))
+    if window is not None and window >= int(raw.get("max_position_embeddings", 4096)):
+        window = None  # a window no sequence outgrows is full attention
+    kinds = (layer_types(raw, int(raw["num_hidden_layers"]), str(cfg_path))[0]
+             if window is not None else None)
     hidden = int(raw["hidden_size"])
     max_pos = int(raw.get("max_position_embeddings", 4096))
     try:
@@ -76,6 +83,8 @@ def read_hf_config(path: str | Path, *, max_model_len: int | None = None) -> Mod
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
             max_model_len=min(max_pos, max_model_len) if max_model_len else max_pos,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            sliding_window=window,
+            layer_types=kinds,
             model_id=root.resolve().name,
             revision=checkpoint_digest(root),
         )

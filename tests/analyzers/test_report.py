@@ -55,7 +55,8 @@ def test_json_report_layout(report: Report) -> None:
     assert list(doc) == ["kvscope_report", "run", "ttft", "partition_violations", "accounting",
                          "consistency", "layers", "prefill", "findings", "diagnoses",
                          "slowest_request_ids", "injected_faults", "fault_events",
-                         "breaker_events"]
+                         "breaker_events", "layer_groups", "group_limits"]
+    assert doc["layer_groups"] == [] and doc["group_limits"] == []  # one kind of layer
     assert doc["run"]["run_id"] == "golden" and doc["run"]["requests"] == 10
     ttft = {r["stage"]: r for r in doc["ttft"]["stages"]}
     assert ttft["ttft"]["p99_ns"] == 44_334_400.0 and ttft["queue"]["total_ns"] == 25_325_000

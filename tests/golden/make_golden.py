@@ -235,7 +235,7 @@ def tables() -> dict[str, pa.Table]:
                     "loaded_tokens": acct["host_loaded_tokens"] + acct["remote_loaded_tokens"],
                     "recomputed_tokens": acct["recomputed_tokens"],
                     "prompt_tokens": acct["prompt_tokens"], "load_ns": load_ns,
-                    "wait_ns": wait_ns,
+                    "wait_ns": wait_ns, "skipped_tokens": 0,
                 })
         for name, s, e, tier, tokens, nbytes, tid in r.activities:
             other_rows.append(_span(r.request_id, num, "activity", name, _offset(r, s),

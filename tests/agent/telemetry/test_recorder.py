@@ -96,7 +96,7 @@ def test_round_trip_through_run_store_is_exact(tmp_path: Path) -> None:
     rec.step_span(7, "schedule", 1_690, 1_700)
     rec.step_span(7, "forward", 1_700, 1_900, batch_requests=2, tokens=64, clock=CLOCK_CUDA)
     rec.layer(a, 0, 16, 16, 0, 48, load_ns=90, wait_ns=10)
-    rec.layer(a, 1, 16, 0, 32, 48)
+    rec.layer(a, 1, 0, 0, 32, 48, skipped_tokens=16)  # a window layer skipping the hit
     rec.first_token(a, 2_000)
     rec.event("eviction", t=1_234, detail={"blocks": [1, 2], "tier": "device"})
     rec.event("preemption", source="scheduler", request_num=a)  # t from the clock
@@ -163,9 +163,11 @@ def test_round_trip_through_run_store_is_exact(tmp_path: Path) -> None:
     ]
     assert records(rs.layers) == [
         {"request_id": "req-a", "layer": 0, "hit_tokens": 16, "loaded_tokens": 16,
-         "recomputed_tokens": 0, "prompt_tokens": 48, "load_ns": 90, "wait_ns": 10},
-        {"request_id": "req-a", "layer": 1, "hit_tokens": 16, "loaded_tokens": 0,
-         "recomputed_tokens": 32, "prompt_tokens": 48, "load_ns": 0, "wait_ns": 0},
+         "recomputed_tokens": 0, "prompt_tokens": 48, "load_ns": 90, "wait_ns": 10,
+         "skipped_tokens": 0},
+        {"request_id": "req-a", "layer": 1, "hit_tokens": 0, "loaded_tokens": 0,
+         "recomputed_tokens": 32, "prompt_tokens": 48, "load_ns": 0, "wait_ns": 0,
+         "skipped_tokens": 16},
     ]
     assert records(rs.samples) == [
         {"ts_ns": 1_400 + OFF, "source": "pool", "entity": "device", "metric": "free_blocks",

@@ -1,7 +1,8 @@
 """A dense, unpaged Llama forward written from the Hugging Face formulas, for comparison.
 
-It shares no code with the engine's model: one sequence, full causal attention, KV heads
-repeated explicitly, weights read from a plain state dict (engine names, no `model.` prefix).
+It shares no code with the engine's model: one sequence, causal attention (a sliding-window
+layer masks keys `window` or more positions back, HF's Mistral/Gemma rule), KV heads repeated
+explicitly, weights read from a plain state dict (engine names, no `model.` prefix).
 """
 
 from __future__ import annotations
@@ -32,7 +33,15 @@ def dense_logits(sd: dict[str, torch.Tensor], cfg: ModelConfig, ids: list[int]) 
     cos = torch.cat((ang.cos(), ang.cos()), -1)[None]  # (1, T, hd)
     sin = torch.cat((ang.sin(), ang.sin()), -1)[None]
     causal = torch.full((t, t), float("-inf"), dtype=torch.float64).triu(1)
+    kinds = cfg.layer_types or ("sliding_attention",) * cfg.num_layers
+    windowed = causal
+    if cfg.sliding_window is not None:
+        pos = torch.arange(t)
+        back = pos[:, None] - pos[None, :]  # query i minus key j
+        windowed = causal.masked_fill(back >= cfg.sliding_window, float("-inf"))
     for i in range(cfg.num_layers):
+        mask = (windowed if cfg.sliding_window is not None and kinds[i] == "sliding_attention"
+                else causal)
         p = f"layers.{i}."
         h = _rms(x, sd[p + "input_layernorm.weight"], cfg.rms_norm_eps)
         q = (h @ sd[p + "self_attn.q_proj.weight"].T).view(t, nh, hd).transpose(0, 1)
@@ -42,7 +51,7 @@ def dense_logits(sd: dict[str, torch.Tensor], cfg: ModelConfig, ids: list[int]) 
         k = k * cos + _rot(k) * sin
         k = k.repeat_interleave(nh // nkv, 0)
         v = v.repeat_interleave(nh // nkv, 0)
-        att = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(hd) + causal, -1) @ v
+        att = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(hd) + mask, -1) @ v
         x = x + att.transpose(0, 1).reshape(t, nh * hd) @ sd[p + "self_attn.o_proj.weight"].T
         h = _rms(x, sd[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
         gate = h @ sd[p + "mlp.gate_proj.weight"].T
