@@ -87,39 +87,35 @@ class LLMEngine:
         else:
             # One device pool of `num_blocks` per layer group (each block holds only that
             # group's layers, so the KV memory is that of `num_blocks` blocks of every layer).
-            if tier_config is not None and tier_config.active:
-                raise ValueError(
-                    "tiers: host and remote tiers do not support models with sliding-window "
-                    f"layers yet ({', '.join(g.name for g in groups)}); run without "
-                    "--host-blocks and --remote")
             pools = [BlockPool(cc.num_blocks, enable_caching=cc.enable_prefix_caching)
                      for _ in groups]
             self.pool = pools[0]
             self.kv = HybridKVCacheManager(groups, pools, cc.block_size)
         self.runner = ModelRunner(model, config, self.kv)
         self.clock = recorder.now if recorder is not None else clock
-        skips = None
+        split = layer_ids = offload_ids = None
         if isinstance(self.kv, HybridKVCacheManager):
             kv, group_of = self.kv, [0] * mc.num_layers
             for g, group in enumerate(groups):
                 for layer in group.layers:
                     group_of[layer] = g
+            layer_ids, offload_ids = kv.layer_ids(group_of), kv.evicted_ids(group_of)
 
-            def skips(hit_tokens: int) -> list[int]:
-                per_group = kv.skipped_tokens(hit_tokens)
+            def split(device_hit: int, loaded: int) -> list[tuple[int, int, int]]:
+                per_group = kv.layer_split(device_hit, loaded)
                 return [per_group[g] for g in group_of]
         self.life = RequestLifecycle(recorder, block_size=config.cache.block_size,
                                      num_layers=mc.num_layers, clock=self.clock,
-                                     record_output_ids=record_output_ids, layer_skips=skips,
+                                     record_output_ids=record_output_ids, layer_split=split,
                                      group_first_layer=[g.layers[0] for g in groups])
         self._wake = threading.Event()
         self.flow: TierFlow | None = None
         if tier_config is not None and tier_config.active:
             stack = build_tiers(tier_config, self.runner.kv_caches, recorder=recorder,
                                 store=remote_store, clock=self.clock,
-                                on_read_done=self._wake.set)
+                                on_read_done=self._wake.set, offload_ids=offload_ids)
             self.flow = TierFlow(tier_config, stack, self.runner.kv_caches, self.life,
-                                 recorder=recorder, clock=self.clock)
+                                 recorder=recorder, clock=self.clock, block_ids=layer_ids)
             self.pool.on_evict = stack.offload
         self.scheduler = Scheduler(config.scheduler, self.kv, self.life, loader=self.flow)
         self.tiers = self.flow.lookup_tiers if self.flow else ()

@@ -93,8 +93,9 @@ class RequestLifecycle:
             records nothing.
         block_size: tokens per block (for `lookup_tokens`).
         num_layers: rows per request in the layers table.
-        layer_skips: for models with sliding-window layers, hit tokens → per layer the
-            tokens of that hit the layer skips (`skipped_tokens` in the layers table).
+        layer_split: for models with sliding-window layers, (device hit, loaded) tokens → per
+            layer (hit, loaded, skipped): a window layer reads only the blocks its window
+            covers before the reuse's end (`skipped_tokens` in the layers table).
         group_first_layer: per layer group, its first layer (names a limiting group in the
             `group_limited` ledger row).
         clock: the monotonic clock in ns (the recorder's when there is one).
@@ -104,13 +105,13 @@ class RequestLifecycle:
 
     def __init__(self, recorder: Recorder | None, *, block_size: int, num_layers: int,
                  clock: Callable[[], int], record_output_ids: bool = False,
-                 layer_skips: Callable[[int], Sequence[int]] | None = None,
+                 layer_split: Callable[[int, int], Sequence[tuple[int, int, int]]] | None = None,
                  group_first_layer: Sequence[int] = ()) -> None:
         self.rec = recorder
         self.block_size = block_size
         self.num_layers = num_layers
-        #: hit tokens → per layer, the tokens of that hit its window skips (layer groups).
-        self.layer_skips = layer_skips
+        #: (device hit, loaded) tokens → per layer (hit, loaded, skipped) (layer groups).
+        self.layer_split = layer_split
         self.group_first_layer = tuple(group_first_layer)
         self.clock = clock
         self.record_output_ids = record_output_ids
@@ -274,13 +275,14 @@ class RequestLifecycle:
         rn = req.request_num
         rec.first_token(rn, t)
         loaded = a.host_loaded_tokens + a.remote_loaded_tokens
-        skips = (self.layer_skips(a.device_hit_tokens) if self.layer_skips is not None
+        split = (self.layer_split(a.device_hit_tokens, loaded) if self.layer_split is not None
                  else None)
         for layer in range(self.num_layers):
             load_ns, wait_ns = layer_times(req, layer) if layer_times else (0, 0)
-            skipped = skips[layer] if skips is not None else 0
-            rec.layer(rn, layer, a.device_hit_tokens - skipped, loaded, a.recomputed_tokens,
-                      a.prompt_tokens, load_ns, wait_ns, skipped)
+            hit, got, skipped = (split[layer] if split is not None
+                                 else (a.device_hit_tokens, loaded, 0))
+            rec.layer(rn, layer, hit, got, a.recomputed_tokens, a.prompt_tokens, load_ns,
+                      wait_ns, skipped)
 
     def preempted(self, req: Request, lost_tokens: int, t: int | None = None) -> None:
         """(Scheduler) preempted by recompute: `lost_tokens` computed since its admission are

@@ -524,21 +524,6 @@ def _profiler(enabled: bool, recorder: Any, out: Path) -> Iterator[None]:
     prof.export_chrome_trace(str(path))
 
 
-def _check_layer_groups(opts: RunOptions) -> None:
-    """Refuse tiers for a model with sliding-window layers (not supported yet): in one line,
-    before anything is opened."""
-    model = _model_config(opts)
-    if model is None or model.sliding_window is None:
-        return
-    flags = [f for f, on in (("--host-blocks", opts.host_blocks), ("--remote", opts.remote))
-             if on]
-    if flags:
-        groups = ", ".join(f"{g.name} layers {list(g.layers)}" for g in model.layer_groups())
-        raise InputError(f"{' '.join(flags)}: the host and remote tiers do not support models "
-                         f"with sliding-window layers yet (--model {opts.model}: {groups}); "
-                         "run without them")
-
-
 def run_session(opts: RunOptions, *, on_start: Callable[[int, str | None], None] | None = None,
                 on_finished: Callable[[RequestOutput], None] | None = None,
                 metrics_server: str = "process") -> RunSummary:
@@ -557,7 +542,6 @@ def run_session(opts: RunOptions, *, on_start: Callable[[int, str | None], None]
     """
     _check_device(opts)
     check_resources(opts)  # before anything is allocated, opened or written
-    _check_layer_groups(opts)
     if opts.out is None:
         opts = dataclasses.replace(opts, out=default_out(opts.workload))
     assert opts.out is not None

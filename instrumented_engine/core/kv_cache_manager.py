@@ -311,8 +311,9 @@ class HybridKVCacheManager:
                         if b is not None and pool.cache_block(b, req.block_hashes[i]) and g == 0:
                             self.recached.append(i)
                     req.group_cached[g] = n_full
-        if self.groups[0].window is None:
-            req.blocks = tables[0]  # type: ignore[assignment]
+        # The first group's table, for what counts positions (the tiers' writes); block ids
+        # go through `block_ids` (one per layer).
+        req.blocks = tables[0]  # type: ignore[assignment]
         req.num_cached_blocks = req.group_cached[0]
         return True
 
@@ -343,3 +344,42 @@ class HybridKVCacheManager:
     def skipped_tokens(self, hit_tokens: int) -> list[int]:
         """Per group, the tokens of a `hit_tokens` hit that the group skips."""
         return [r.skipped_tokens(hit_tokens) for r in self.rules]
+
+    def layer_split(self, device_hit: int, loaded: int) -> list[tuple[int, int, int]]:
+        """Per group, (hit, loaded, skipped) tokens of an admission that reused `device_hit`
+        tokens from the device and `loaded` more from the tiers (both block-aligned): a window
+        group reads only the blocks before the reuse's end that its window covers."""
+        end = device_hit + loaded
+        out = []
+        for r in self.rules:
+            skipped = r.skipped_tokens(end)
+            out.append((max(0, device_hit - skipped), end - max(device_hit, skipped), skipped))
+        return out
+
+    def layer_ids(self, layer_group: Sequence[int]) -> Any:
+        """(request, chain position) → that position's block id per layer (None when a group
+        no longer holds it): the tiers copy every layer of a position, each into its group's
+        block. `layer_group[l]` is layer l's group."""
+        def ids(req: Request, i: int) -> tuple[int, ...] | None:
+            per_group = []
+            for table in req.group_blocks:
+                b = table[i] if i < len(table) else None
+                if b is None:
+                    return None
+                per_group.append(b.block_id)
+            return tuple(per_group[g] for g in layer_group)
+        return ids
+
+    def evicted_ids(self, layer_group: Sequence[int]) -> Any:
+        """(block id, digest) of a block the first group's pool evicts → that position's block
+        id per layer, looked up by digest in the other groups' pools (None when one of them no
+        longer holds it: then no whole object can be saved)."""
+        def ids(block_id: int, digest: bytes) -> tuple[int, ...] | None:
+            per_group = [block_id]
+            for pool in self.pools[1:]:
+                b = pool.cached.get(digest)
+                if b is None:
+                    return None
+                per_group.append(b.block_id)
+            return tuple(per_group[g] for g in layer_group)
+        return ids

@@ -45,7 +45,7 @@ class TierStack:
 
 def build_tiers(config: TierConfig, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], *,
                 recorder: Any, store: RemoteStore | None = None, clock: Any = None,
-                on_read_done: Any = None) -> TierStack:
+                on_read_done: Any = None, offload_ids: Any = None) -> TierStack:
     """The tiers of `config` around the device cache `kv_caches`.
 
     Args:
@@ -57,6 +57,8 @@ def build_tiers(config: TierConfig, kv_caches: list[tuple[torch.Tensor, torch.Te
             once); None opens `config.remote` here.
         clock: monotonic ns (the engine's); default `time.monotonic_ns`.
         on_read_done: called when a remote prefetch finishes (wakes the engine loop).
+        offload_ids: for layer groups with pools of their own, (block id, digest) → block id
+            per layer of an evicted position (`EvictionOffload`'s `ids_of`).
     """
     layout = BlockLayout.from_kv_caches(kv_caches)
     host = (HostKVPool(layout, config.host_blocks, recorder=recorder)
@@ -81,6 +83,6 @@ def build_tiers(config: TierConfig, kv_caches: list[tuple[torch.Tensor, torch.Te
         assert staging is not None
         prefetcher = Prefetcher(remote, staging, config.prefetch_workers, recorder=recorder,
                                 clock=clock or time.monotonic_ns, on_done=on_read_done)
-    offload = (EvictionOffload(host, kv_caches)
+    offload = (EvictionOffload(host, kv_caches, offload_ids)
                if host is not None and config.host_write == "evict" else None)
     return TierStack(layout, host, remote, staging, writer, prefetcher, offload)

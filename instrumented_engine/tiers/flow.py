@@ -42,10 +42,14 @@ from instrumented_engine.lifecycle import (
 )
 from instrumented_engine.tiers.build import TierStack
 from instrumented_engine.tiers.config import TierConfig
-from instrumented_engine.tiers.format import gather_block
+from instrumented_engine.tiers.format import BlockIds, gather_block
 from instrumented_engine.tiers.h2d import H2DCopier, H2DCopy
 from instrumented_engine.tiers.plan import TierPlan
 from instrumented_engine.tiers.prefetch import Prefetcher
+
+
+def _block_id(req: Request, i: int) -> int:
+    return req.blocks[i].block_id
 
 
 class TierFlow:
@@ -58,12 +62,17 @@ class TierFlow:
         lifecycle: the engine's request lifecycle (states and accounting).
         recorder: an agent.telemetry.Recorder for transfer ids and spans, or None.
         clock: monotonic ns (the recorder's).
+        block_ids: (request, chain position) → the device block(s) holding that position: an
+            id for every layer, one per layer (layer groups with pools of their own), or None
+            when a group no longer holds it; default `req.blocks[i].block_id`.
     """
 
     def __init__(self, config: TierConfig, stack: TierStack,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], lifecycle: RequestLifecycle,
-                 *, recorder: Any, clock: Any) -> None:
+                 *, recorder: Any, clock: Any,
+                 block_ids: Callable[[Request, int], BlockIds | None] | None = None) -> None:
         self.config = config
+        self.block_ids = block_ids or _block_id
         self.kv_caches = kv_caches
         self.life = lifecycle
         self.rec = recorder
@@ -209,8 +218,10 @@ class TierFlow:
         tid = -1
         if n:
             assert self.staging is not None
-            dest = [b.block_id for b in req.blocks[num_hit_blocks:num_hit_blocks + n]]
-            tid = self._copy(req, plan, dest)
+            ids = self.block_ids
+            dest = [ids(req, i) for i in range(num_hit_blocks, num_hit_blocks + n)]
+            assert None not in dest, "a loaded position without a device block"
+            tid = self._copy(req, plan, dest)  # type: ignore[arg-type]
         elif plan.waited and req.state == QUEUE:
             # Back in `queue` after its remote_read, maybe later than the step's start: it
             # enters `prefill` now (the engine's step-start transition could go back in time).
@@ -220,7 +231,7 @@ class TierFlow:
         self.life.loaded(req, self._loads(plan, num_hit_blocks, n))
         plan.stored = max(plan.stored, num_hit_blocks + n)
 
-    def _copy(self, req: Request, plan: TierPlan, dest: list[int]) -> int:
+    def _copy(self, req: Request, plan: TierPlan, dest: list[BlockIds]) -> int:
         """Issue the H2D copy; returns its transfer id."""
         assert self.staging is not None
         life = self.life
@@ -395,7 +406,10 @@ class TierFlow:
                        len(req.blocks))
             queued = 0
             for i in range(plan.stored, full):
-                payload = gather_block(self.kv_caches, req.blocks[i].block_id)
+                ids = self.block_ids(req, i)
+                if ids is None:  # a window group freed it already: no whole object to write
+                    continue
+                payload = gather_block(self.kv_caches, ids)
                 if writer.submit(req.block_hashes[i], req.namespace, payload):
                     queued += 1
                     self.life.wrote(req, host_bytes=pb if writer.host is not None else 0,

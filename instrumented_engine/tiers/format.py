@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 import stat
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -380,7 +381,12 @@ def decode(data: bytes | bytearray | memoryview, layout: BlockLayout, digest: by
     return out
 
 
-def gather_block(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_id: int,
+#: A device block: one id for every layer, or one id per layer (models whose layer groups
+#: keep separate device pools: the same chain position lives in a different block per group).
+BlockIds = int | Sequence[int]
+
+
+def gather_block(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_id: BlockIds,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """Copy one device block's K and V of every layer into a payload tensor (D2H on CUDA).
 
@@ -390,15 +396,18 @@ def gather_block(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_id: i
     if out is None:
         layout = BlockLayout.from_kv_caches(kv_caches)
         out = torch.empty(layout.payload_shape, dtype=layout.dtype)
+    per_layer = not isinstance(block_id, int)
     for i, (k, v) in enumerate(kv_caches):
-        out[i, 0].copy_(k[block_id])
-        out[i, 1].copy_(v[block_id])
+        b = block_id[i] if per_layer else block_id  # type: ignore[index]
+        out[i, 0].copy_(k[b])
+        out[i, 1].copy_(v[b])
     return out
 
 
-def scatter_layer(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_id: int,
+def scatter_layer(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_id: BlockIds,
                   payload: torch.Tensor, layer: int, non_blocking: bool = False) -> None:
     """Copy one layer of a payload into a device block (the unit of a layer-by-layer H2D)."""
     k, v = kv_caches[layer]
-    k[block_id].copy_(payload[layer, 0], non_blocking=non_blocking)
-    v[block_id].copy_(payload[layer, 1], non_blocking=non_blocking)
+    b = block_id if isinstance(block_id, int) else block_id[layer]
+    k[b].copy_(payload[layer, 0], non_blocking=non_blocking)
+    v[b].copy_(payload[layer, 1], non_blocking=non_blocking)

@@ -33,7 +33,7 @@ import torch
 
 from agent.telemetry import CLOCK_CPU, CLOCK_CUDA
 from instrumented_engine.config import LOAD_MODES
-from instrumented_engine.tiers.format import scatter_layer
+from instrumented_engine.tiers.format import BlockIds, scatter_layer
 
 log = logging.getLogger(__name__)
 
@@ -118,9 +118,10 @@ class H2DCopier:
         return self.mode == "layer"
 
     # ------------------------------------------------------------------ issue
-    def copy(self, payloads: Sequence[torch.Tensor], block_ids: Sequence[int], *,
+    def copy(self, payloads: Sequence[torch.Tensor], block_ids: Sequence[BlockIds], *,
              request_num: int = -1) -> H2DCopy:
-        """Copy `payloads[i]` (payload-shaped CPU tensors) into device block `block_ids[i]`.
+        """Copy `payloads[i]` (payload-shaped CPU tensors) into device block `block_ids[i]`
+        (one id for every layer, or one per layer).
 
         NOTE: unless the returned copy is not `pending`, the payloads must stay untouched until
         `finish` returned (the caller keeps its host slots acquired until then).
@@ -162,7 +163,7 @@ class H2DCopier:
         return out
 
     def _copy_layer(self, copy: H2DCopy, payloads: Sequence[torch.Tensor],
-                    block_ids: Sequence[int], layer: int) -> None:
+                    block_ids: Sequence[BlockIds], layer: int) -> None:
         nv = self.nvtx
         rid = nv.start(f"h2d_layer{layer}", copy.request_num) if nv is not None else 0
         try:

@@ -243,3 +243,80 @@ def test_engine_and_planner_read_the_same_layers_and_agree_on_kv_bytes(
                                     + 2 * len(window_layers))
     assert planned_bytes <= held <= planned_bytes + slack, (planned_bytes, held)
     assert planned.dtype == "fp32" and planned.layer_bytes_per_token() == per_token_layer
+
+
+# ------------------------------------------------------------------ tiers
+def _cold(prompt: list[int], max_tokens: int = 3) -> list[int]:
+    engine = LLMEngine(hybrid_config(caching=False))
+    return engine.generate([prompt], max_tokens=max_tokens)[0].output_token_ids
+
+
+def _split_of(rec: Recorder, request_id: str) -> dict[int, tuple[int, int, int, int]]:
+    layers = _layers(rec)
+    m = layers["request_id"] == request_id
+    return {int(layer): (int(h), int(lo), int(r), int(s)) for layer, h, lo, r, s in zip(
+        layers["layer"][m], layers["hit_tokens"][m], layers["loaded_tokens"][m],
+        layers["recomputed_tokens"][m], layers["skipped_tokens"][m], strict=True)}
+
+
+def test_the_host_tier_carries_every_layer_group(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from instrumented_engine.tiers.config import TierConfig
+
+    rec = Recorder()
+    engine = LLMEngine(hybrid_config(window=32), recorder=rec,
+                       tier_config=TierConfig(host_blocks=64, host_write="through"))
+    kv = engine.kv
+    assert isinstance(kv, HybridKVCacheManager)
+    prompt = tokens(11, 160)
+    first = engine.generate([prompt], max_tokens=3)[0]
+    engine.flush_tiers()
+    for pool in kv.pools:  # the device forgets every group; the host keeps whole positions
+        pool.reset_cache()
+    again = engine.generate([prompt], max_tokens=3)[0]
+    engine.close()
+    assert again.output_token_ids == first.output_token_ids == _cold(prompt)
+    a = again.accounting
+    assert (a.device_hit_tokens, a.host_loaded_tokens, a.recomputed_tokens) == (0, 144, 16)
+    # Full layers used all 144 loaded tokens; window layers (2 blocks) read the last 32 and
+    # skip the 112 before them.
+    assert _split_of(rec, again.request_id) == {
+        0: (0, 32, 16, 112), 1: (0, 144, 16, 0), 2: (0, 32, 16, 112), 3: (0, 144, 16, 0)}
+
+
+def test_a_remote_written_by_one_engine_loads_into_another(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from instrumented_engine.tiers.config import TierConfig
+
+    tiers = TierConfig(remote=f"file://{tmp_path / 'kv'}")
+    prompt = tokens(12, 200)
+    writer = LLMEngine(hybrid_config(window=32), tier_config=tiers)
+    first = writer.generate([prompt], max_tokens=3)[0]
+    writer.close()
+    rec = Recorder()
+    reader = LLMEngine(hybrid_config(window=32), recorder=rec, tier_config=tiers)
+    warm = reader.generate([prompt[:176] + tokens(13, 10)], max_tokens=3)[0]
+    reader.close()
+    assert first.output_token_ids == _cold(prompt)
+    assert warm.output_token_ids == _cold(prompt[:176] + tokens(13, 10))
+    a = warm.accounting
+    assert (a.remote_loaded_tokens, a.load_failed_tokens) == (176, 0)
+    assert _split_of(rec, warm.request_id)[0] == (0, 32, 10, 144)
+
+
+def test_eviction_offload_saves_whole_positions_of_every_group() -> None:
+    from instrumented_engine.tiers.config import TierConfig
+
+    rec = Recorder()
+    engine = LLMEngine(hybrid_config(window=32, num_blocks=20), recorder=rec,
+                       tier_config=TierConfig(host_blocks=32))
+    a = tokens(4, 160)
+    engine.generate([a], max_tokens=2)
+    # 20 blocks of another prompt evict all of A's in both groups; the first group's pool
+    # evicts first, while the window group still holds each position: all 10 saved whole.
+    engine.generate([tokens(5, 319)], max_tokens=1)
+    assert engine.flow is not None and engine.flow.offload is not None
+    assert (engine.flow.offload.offloaded, engine.flow.offload.skipped) == (10, 0)
+    again = engine.generate([a], max_tokens=3)[0]
+    engine.close()
+    assert again.output_token_ids == _cold(a)
+    acct = again.accounting
+    assert (acct.device_hit_tokens, acct.host_loaded_tokens) == (0, 144)

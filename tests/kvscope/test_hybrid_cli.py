@@ -17,11 +17,11 @@ from agent.telemetry import Recorder
 from analyzers.report import build_report, render
 from kvscope.cli import main
 from kvscope.session import layer_groups_info
-from tests.badinput import assert_refused
 from tests.instrumented_engine.test_hybrid import BS, _shortened_run, hybrid_config
 
-RUN = ["run", "--model", "hybrid", "--workload", "docqa", "-n", "24", "--num-blocks", "96",
-       "--metrics-port", "0", "--no-collectors", "-q", "--threads", "1"]
+BASE = ["run", "--model", "hybrid", "--workload", "docqa", "-n", "24", "--metrics-port", "0",
+        "--no-collectors", "-q", "--threads", "1"]
+RUN = [*BASE, "--num-blocks", "96"]
 
 
 def test_a_hybrid_run_reports_layers_by_group(tmp_path: Path,
@@ -63,10 +63,31 @@ def test_a_hybrid_run_reports_layers_by_group(tmp_path: Path,
     assert "sliding_window(64)" in text and "skipped" in text
 
 
-def test_tiers_with_a_hybrid_model_are_refused_in_one_line(
+def test_a_warm_hybrid_run_over_host_and_remote_tiers_adds_up(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert_refused([*RUN, "--host-blocks", "16", "--out", str(tmp_path / "run")], capsys,
-                   watch=tmp_path, match=r"--host-blocks: .*sliding-window")
+    tiers = ["--host-blocks", "64", "--remote", f"file://{tmp_path / 'kv'}", "--num-blocks",
+             "48"]
+    runs = []
+    for name in ("cold", "warm"):
+        out = tmp_path / name
+        assert main([*BASE, *tiers, "--out", str(out)]) == 0
+        runs.append(out)
+    capsys.readouterr()
+    assert main(["analyze", str(runs[1]), "--format", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    c = doc["consistency"]
+    assert c["available"] and c["requests"] == 24 and c["mismatches"] == [], c
+    req = open_run(runs[1]).requests
+    assert int(req["remote_loaded_tokens"].sum()) > 0
+    rows = {r["layer"]: r for r in doc["layers"]}
+    assert all(r["identity_violations"] == 0 for r in rows.values())
+    loaded = int((req["host_loaded_tokens"] + req["remote_loaded_tokens"]).sum())
+    assert rows[1]["loaded_tokens"] == rows[3]["loaded_tokens"] == loaded
+    assert 0 < rows[0]["loaded_tokens"] < loaded  # a window layer reads only its window
+    # Outputs are those of the cold run (same prompts, same seed): tiers change no output.
+    cold = open_run(runs[0]).requests.set_index("request_id")["output_digest"]
+    warm = req.set_index("request_id")["output_digest"]
+    assert warm.equals(cold.loc[warm.index])
 
 
 def test_the_report_explains_a_hit_a_window_group_cut(tmp_path: Path) -> None:
