@@ -277,12 +277,14 @@ class RequestLifecycle:
         loaded = a.host_loaded_tokens + a.remote_loaded_tokens
         split = (self.layer_split(a.device_hit_tokens, loaded) if self.layer_split is not None
                  else None)
+        rows = []
+        recomputed, prompt = a.recomputed_tokens, a.prompt_tokens
         for layer in range(self.num_layers):
             load_ns, wait_ns = layer_times(req, layer) if layer_times else (0, 0)
             hit, got, skipped = (split[layer] if split is not None
                                  else (a.device_hit_tokens, loaded, 0))
-            rec.layer(rn, layer, hit, got, a.recomputed_tokens, a.prompt_tokens, load_ns,
-                      wait_ns, skipped)
+            rows.append((hit, got, recomputed, prompt, load_ns, wait_ns, skipped))
+        rec.layers(rn, rows)  # one call per request
 
     def preempted(self, req: Request, lost_tokens: int, t: int | None = None) -> None:
         """(Scheduler) preempted by recompute: `lost_tokens` computed since its admission are

@@ -11,6 +11,7 @@ import operator
 import threading
 from array import array
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 from agent.telemetry.buffers import SegmentedTable
@@ -212,6 +213,46 @@ class OtherRecords:
                 self._append(self._layers, row)
             else:
                 self._append_foreign(self._layers, row, rn, rid)
+        except Exception:
+            self._error()
+
+    def layers(self, rn: int, rows: Sequence[tuple[int, int, int, int, int, int, int]]) -> None:
+        """Every per-layer row of request `rn` in one call: `rows[i]` is layer i's
+        (hit_tokens, loaded_tokens, recomputed_tokens, prompt_tokens, load_ns, wait_ns,
+        skipped_tokens). Same rows as `layer` once per layer, for one call's overhead."""
+        try:
+            rid = self._request_id(rn)
+            if rid is None:
+                return
+            if len(rows) > I32_MAX:
+                raise ValueError(f"too many layers: {len(rows)}")
+            if any(len(r) != 7 for r in rows):
+                raise ValueError("each layer row has 7 values")
+            # Column by column, in C: building the arrays validates every value first (a bad
+            # one records none of the rows).
+            n = len(rows)
+            cols = [array("q", [rn]) * n, array("q", range(n)),
+                    *(array("q", c) for c in zip(*rows, strict=True))] if n else []
+            tbl = self._layers
+            if threading.get_ident() != self._owner:
+                for layer, r in enumerate(rows):
+                    self._append_foreign(tbl, (rn, layer, *r), rn, rid)
+                return
+            done = 0
+            while done < n:
+                seg = tbl.active
+                i = seg.n
+                if i == seg.cap:
+                    seg = tbl.rotate()
+                    i = 0
+                    if seg is None:
+                        self._drop(tbl.name)
+                        return
+                k = min(n - done, seg.cap - i)
+                for dst, src in zip(seg.cols, cols, strict=True):
+                    dst[i:i + k] = src[done:done + k]
+                seg.n = i + k
+                done += k
         except Exception:
             self._error()
 

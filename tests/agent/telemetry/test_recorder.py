@@ -483,6 +483,10 @@ GARBAGE: list[tuple[str, Any]] = [
     ("layer unknown request", lambda r, rn: r.layer(999, 0, 1, 1, 1, 3)),
     ("layer negative layer", lambda r, rn: r.layer(rn, -1, 1, 1, 1, 3)),
     ("layer str tokens", lambda r, rn: r.layer(rn, 0, "1", 1, 1, 3)),
+    ("layers unknown request", lambda r, rn: r.layers(999, [(1, 1, 1, 3, 0, 0, 0)])),
+    ("layers str in a later row", lambda r, rn: r.layers(rn, [(1, 1, 1, 3, 0, 0, 0),
+                                                              (1, "1", 1, 3, 0, 0, 0)])),
+    ("layers short row", lambda r, rn: r.layers(rn, [(1, 1, 1)])),
     ("event int name", lambda r, rn: r.event(5)),
     ("event list detail", lambda r, rn: r.event("x", detail=[1])),
     ("event float time", lambda r, rn: r.event("x", t=1.5)),
@@ -693,3 +697,35 @@ def test_output_digest_is_a_function_of_the_ids_only() -> None:
     assert output_digest([1, 2, 3]) != output_digest([1, 2, 4]) != output_digest([1, 2])
     assert output_digest([2**40]) != output_digest([0])  # int64, not bytes of the low digits
     assert len(output_digest([])) == 32 and int(output_digest([7]), 16) >= 0
+
+
+def test_one_layers_call_records_what_one_layer_call_per_layer_does() -> None:
+    rows = [(16 * i, 16, 32, 48 + 16 * i, 90 * i, 10, i) for i in range(3)]
+    tables = []
+    for batched in (True, False):
+        rec = make()
+        rn = rec.request_begin("a", 0)
+        if batched:
+            rec.layers(rn, rows)
+        else:
+            for layer, r in enumerate(rows):
+                rec.layer(rn, layer, *r[:6], skipped_tokens=r[6])
+        # From another thread too (queued, validated the same way).
+        t = threading.Thread(target=rec.layers, args=(rn, rows[:1]))
+        t.start()
+        t.join()
+        rec.request_end(rn, RequestAccounting(), t=5)
+        tables.append(rec.drain()["layers"].to_pylist())
+        assert rec.stats.recording_errors == 0
+    assert tables[0] == tables[1] and len(tables[0]) == 4
+
+
+def test_layers_rows_cross_segment_boundaries() -> None:
+    rec = Recorder(segment_rows=4, max_segments=8)
+    rn = rec.request_begin("a", 0)
+    rows = [(i, 0, 1, 1 + i, 0, 0, 0) for i in range(10)]  # 10 rows over 3 segments
+    rec.layers(rn, rows)
+    rec.request_end(rn, RequestAccounting(), t=5)
+    got = rec.drain()["layers"].to_pylist()
+    assert [(r["layer"], r["hit_tokens"], r["prompt_tokens"]) for r in got] == [
+        (i, i, 1 + i) for i in range(10)]
