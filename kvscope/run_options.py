@@ -26,6 +26,8 @@ from instrumented_engine.config import DTYPES, HOST_WRITES, LOAD_MODES
 #: Where `kvscope run` serves /metrics by default: not 9090/9100/9400/9464 (Prometheus,
 #: node_exporter, dcgm-exporter, OTel's Prometheus exporter) nor 9477 (`kvscope agent`).
 DEFAULT_METRICS_PORT = 9478
+#: What `kvscope run --engine` takes.
+ENGINES = ("kvscope", "vllm")
 #: Large enough for any real run on one machine, small enough that a typo fails at once.
 MAX_REQUESTS = 1_000_000
 MAX_BLOCKS = 1 << 22
@@ -102,6 +104,10 @@ class RunOptions:
                     hi=MAX_SEED)
     out: Path | None = opt(None, "--out", "Run directory; default runs/<workload>-<time>.",
                            short="-o")
+    engine: str = opt("kvscope", "--engine", "Engine to run: kvscope (ours) or vllm (vLLM's "
+                      "LLMEngine with kvscope's observer connector around vLLM's "
+                      "ExampleConnector on --remote file://DIR; needs .venv-vllm, see "
+                      "scripts/setup-vllm).", choices=ENGINES)
     model: str = opt("small", "--model", "tiny, small, medium, hybrid (random weights; hybrid: "
                      "sliding-window layers of 64 tokens alternating with full attention) or a "
                      "Hugging Face Llama checkpoint directory.")
@@ -145,11 +151,14 @@ class RunOptions:
                        lo=0, hi=1024)
     collectors: bool = opt(True, "--collectors/--no-collectors",
                            "Sample host (and GPU, NIC, RDMA where present) counters into the "
-                           "run store every second.")
+                           "run store every second (a mooncake:// remote's ?metrics= master "
+                           "is sampled either way).")
     host_blocks: int = opt(0, "--host-blocks", "Host (CPU) KV tier size in blocks; 0 = none.",
                            lo=0, hi=MAX_BLOCKS)
-    remote: str | None = opt(None, "--remote", "Remote KV tier: file://DIR or "
-                             "redis://HOST:PORT/DB; default none.")
+    remote: str | None = opt(None, "--remote", "Remote KV tier: file://DIR, "
+                             "redis://HOST:PORT/DB or mooncake://MASTER_HOST:PORT[?options] "
+                             "(Mooncake Store; ?metrics=URL also samples the master); default "
+                             "none.")
     host_write: str = opt("evict", "--host-write", "How blocks reach the host tier: evict "
                           "(device evictions are saved) or through (every new block).",
                           choices=HOST_WRITES)

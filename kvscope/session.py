@@ -279,6 +279,16 @@ def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: str) -> int:
             * _element_bytes(dtype))
 
 
+def mooncake_metrics_url(remote: str | None) -> str | None:
+    """The Mooncake master's metrics endpoint a `mooncake://…?metrics=URL` remote names."""
+    if not remote or not remote.startswith("mooncake://"):
+        return None
+    from urllib.parse import parse_qs, urlparse
+
+    values = parse_qs(urlparse(remote).query).get("metrics")
+    return values[-1] if values else None
+
+
 def layer_groups_info(model: ModelConfig, block_size: int, num_blocks: int,
                       dtype: str) -> list[dict[str, Any]]:
     """run.json's `tiers.device.layer_groups`: per KV-cache group its name, kind, layers,
@@ -640,13 +650,24 @@ def run_session(opts: RunOptions, *, on_start: Callable[[int, str | None], None]
         writer = RunStoreWriter(opts.out, config=config, run_id=run_id, anchor=recorder.anchor)
         sink = RunStoreSink(writer)
         pipe = TelemetryPipeline(recorder, sinks=[sink, prom], interval_s=0.25).start()
+        collectors: list[Any] = []
         if opts.collectors:
             # Host (and, where present, GPU/NIC/RDMA) samples beside the engine's, in the same
             # run store, so a slow stretch can be read against what the hardware did.
-            from collectors.runner import CollectorRunner, default_collectors, recorder_sink
+            from collectors.runner import default_collectors
 
-            hw = CollectorRunner(default_collectors(watch={"engine": os.getpid()}),
-                                 interval_s=1.0, on_samples=recorder_sink(recorder),
+            collectors += default_collectors(watch={"engine": os.getpid()})
+        master = mooncake_metrics_url(tiers.remote)
+        if master is not None:
+            # The remote tier's own figures (objects, segment use, evictions, restarts) from
+            # the Mooncake master the URL names (`?metrics=`), whatever --no-collectors says.
+            from collectors.mooncake import MooncakeMasterCollector
+
+            collectors.append(MooncakeMasterCollector(master))
+        if collectors:
+            from collectors.runner import CollectorRunner, recorder_sink
+
+            hw = CollectorRunner(collectors, interval_s=1.0, on_samples=recorder_sink(recorder),
                                  anchor=recorder.anchor)
             hw.start()
         if on_start is not None:

@@ -302,11 +302,16 @@ class ResilientRemote:
         key = self.key
 
         read_in_place = getattr(self.store, "read_into", None)
+        read_views = getattr(self.store, "read_views", None)
 
         def op() -> tuple[list[str | None], int]:
             if read_in_place is not None:
                 return self._read_in_place(read_in_place, block_hashes, namespace, rows)
-            objs = self.store.read_many(block_hashes)
+            objs: Sequence[bytes | memoryview | None]
+            if read_views is not None:  # views of the store's read buffer (Mooncake)
+                objs = read_views(block_hashes, layout.object_bytes)
+            else:
+                objs = self.store.read_many(block_hashes)
             statuses: list[str | None] = []
             nbytes = 0
             for h, data, dest in zip(block_hashes, objs, rows, strict=True):

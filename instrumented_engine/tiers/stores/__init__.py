@@ -1,10 +1,11 @@
 """Remote stores: the raw backends of the remote tier, and `open_remote(url)`.
 
 A `RemoteStore` is a key-value backend of block objects keyed by chain digest (`tiers.format`
-gives the bytes): `file://DIR` (`stores.file`, the embedded default) and `redis://HOST:PORT/DB`
-(`stores.redis`). A store raises on failure; classifying failures, deadlines, retries and the
-circuit breaker live in `tiers.remote.ResilientRemote`, which wraps any store, and fault
-injection in `tiers.faults`. Importing this package does not import redis.
+gives the bytes): `file://DIR` (`stores.file`, the embedded default), `redis://HOST:PORT/DB`
+(`stores.redis`) and `mooncake://HOST:PORT` (`stores.mooncake`, Mooncake Store's master).
+A store raises on failure; classifying failures, deadlines, retries and the circuit breaker
+live in `tiers.remote.ResilientRemote`, which wraps any store, and fault injection in
+`tiers.faults`. Importing this package imports neither redis nor mooncake.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def chain_lookup(store: RemoteStore, block_hashes: Sequence[bytes], start: int,
 
 
 def open_remote(url: str, *, timeout_s: float = 1.0) -> RemoteStore:
-    """A store from a `--remote` URL: `file://DIR` or `redis://HOST:PORT/DB`.
+    """A store from a `--remote` URL: `file://DIR`, `redis://HOST:PORT/DB` or
+    `mooncake://HOST:PORT?options` (`stores.mooncake.parse_url`).
 
     Args:
         url: the URL; a file store's directory is created when absent.
@@ -106,4 +108,11 @@ def open_remote(url: str, *, timeout_s: float = 1.0) -> RemoteStore:
             raise InputError(f"--remote {url!r}: database must be an integer, got {db_text!r}")
         from instrumented_engine.tiers.stores.redis import RedisStore
         return RedisStore(u.hostname or "127.0.0.1", port, int(db_text), timeout_s=timeout_s)
-    raise InputError(f"--remote {url!r}: scheme must be file:// or redis://")
+    if u.scheme == "mooncake":
+        try:
+            from instrumented_engine.tiers.stores.mooncake import open_mooncake
+        except ImportError as e:  # the package, or the libibverbs it links, is missing
+            raise InputError(f"--remote {url!r}: the Mooncake client cannot be loaded ({e}); "
+                             "install kvscope[mooncake] and the libibverbs1 library") from None
+        return open_mooncake(url, timeout_s=timeout_s)
+    raise InputError(f"--remote {url!r}: scheme must be file:// or redis:// or mooncake://")
