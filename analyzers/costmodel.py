@@ -138,6 +138,44 @@ def step_samples(spans: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     return agg["tokens"].to_numpy(np.int64), agg["ns"].to_numpy(np.float64)
 
 
+#: Arrays at least this long get `_median`'s bracketed selection (shorter: np.median).
+_BRACKET_MIN = 4096
+#: Every how many-th value `_median` samples to bracket the median.
+_BRACKET_STRIDE = 32
+
+
+def _median(a: np.ndarray) -> float:
+    """``np.median(a)`` of a 1-D array of finite floats, bit for bit, in about a third of the
+    time on long arrays (the fit takes 301 medians of up to 60,000 pairwise slopes).
+
+    A strided sample of `a` brackets the median between two of its order statistics; when
+    counting shows that both middle ranks of `a` fall inside the bracket, only the values in
+    it are partitioned (a few per cent of `a`), and the middle one (odd length) or the mean
+    of the middle two (even length, as np.median takes it) is returned. When the bracket
+    misses, np.median of the whole array. Either way the value is np.median's: the same
+    order statistics, combined the same way.
+    """
+    m = len(a)
+    if m < _BRACKET_MIN:
+        return float(np.median(a))
+    k1, k2 = (m - 1) // 2, m // 2
+    sample = a[::_BRACKET_STRIDE]
+    r = len(sample)
+    d = max(int(2 * np.sqrt(r)), 8)
+    lo_i, hi_i = max(r // 2 - d, 0), min(r // 2 + d, r - 1)
+    ps = np.partition(sample, [lo_i, hi_i])
+    lo, hi = ps[lo_i], ps[hi_i]
+    below = int(np.count_nonzero(a < lo))
+    inside = a[(a >= lo) & (a <= hi)]
+    if not (below <= k1 and below + len(inside) > k2):
+        return float(np.median(a))
+    j1, j2 = k1 - below, k2 - below
+    part = np.partition(inside, [j1, j2])
+    if j1 == j2:
+        return float(part[j1])
+    return float(np.mean(part[[j1, j2]]))
+
+
 def _theil_sen(x: np.ndarray, y: np.ndarray, rng: np.random.Generator) -> tuple[float, float]:
     n = len(x)
     if n * (n - 1) // 2 <= _MAX_PAIRS:
@@ -149,8 +187,8 @@ def _theil_sen(x: np.ndarray, y: np.ndarray, rng: np.random.Generator) -> tuple[
     keep = dx != 0
     if not keep.any():
         return float("nan"), float("nan")
-    slope = float(np.median((y[j] - y[i])[keep] / dx[keep]))
-    return slope, float(np.median(y - slope * x))
+    slope = _median((y[j] - y[i])[keep] / dx[keep])
+    return slope, _median(y - slope * x)
 
 
 def fit_step_cost(spans: pd.DataFrame, *, seed: int = 0, n_boot: int = _N_BOOT) -> StepCost:

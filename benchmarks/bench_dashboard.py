@@ -25,7 +25,10 @@ it instead of the synthetic runs; ``--run PATH`` uses an existing run store.
 ``--before DIR`` times, in the same process and interleaved with the current dashboard, the
 dashboard of another checkout (DIR holds its ``dashboard/`` package, e.g. a copy taken before a
 change): the first render of each page in headless Chromium on the large run, a fresh server
-per repeat, and prints after / before with a bootstrap interval over the repeats.
+per repeat, and prints after / before with a bootstrap interval over the repeats; also each
+server's start-up (spawn until it answers its health check: work a server does before its first
+session, such as preloading, is counted there and not hidden), and all pages' first renders
+summed.
 
     .venv/bin/python benchmarks/bench_dashboard.py --engine 2000 --before /tmp/kvscope-before \
         --repeat 5 --browser-only
@@ -159,6 +162,15 @@ _BROWSER_PAGES = (("overview", "Top findings", 4), ("requests", "Token accountin
 _BEFORE_PAGES = (("", "Top findings", 2), *_BROWSER_PAGES[1:])
 
 
+def _pages_of(before: Path | None) -> tuple[tuple[str, str, int], ...]:
+    """The pages to time on the dashboard of checkout `before` (None: this one): a checkout
+    that already serves the Overview at /overview is timed as this one is."""
+    if before is None:
+        return _BROWSER_PAGES
+    app = (before / "dashboard" / "streamlit_app.py").read_text()
+    return _BROWSER_PAGES if 'url_path="overview"' in app else _BEFORE_PAGES
+
+
 def _serve(runs: list[str], port: int, before: Path | None) -> subprocess.Popen[bytes]:
     """`kvscope dashboard RUNS`, or the dashboard of the checkout `before` (its package first
     on the path) served the same way."""
@@ -189,6 +201,7 @@ def _browser_times(runs: list[str], profile: Path, before: Path | None = None,
     from tests.dashboard.test_browser import DevTools, _wait_http
 
     port, cdp = free_port(), free_port()
+    started = time.perf_counter()
     dash = _serve(runs, port, before)
     chrome = subprocess.Popen(
         ["/usr/bin/chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
@@ -200,13 +213,15 @@ def _browser_times(runs: list[str], profile: Path, before: Path | None = None,
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_http(f"{url}/_stcore/health", dash, time.monotonic() + 120)
+        # Start-up: until the server answers (what preloading in the server moves there).
+        out[("startup", "server")] = time.perf_counter() - started
         targets = json.loads(_wait_http(f"http://127.0.0.1:{cdp}/json/list", chrome,
                                         time.monotonic() + 120))
         page = next(t for t in targets if t["type"] == "page")
         with connect(page["webSocketDebuggerUrl"], max_size=None) as ws:
             tools = DevTools(ws)
             for visit in visits:
-                for path, until, plots in (_BEFORE_PAGES if before else _BROWSER_PAGES):
+                for path, until, plots in _pages_of(before):
                     t = time.perf_counter()
                     tools.load(f"{url}/{path}", until, plots)
                     out[(visit, path or "overview")] = time.perf_counter() - t
@@ -237,12 +252,14 @@ def _report_before_after(runs: list[str], before: Path, repeat: int, tmp: Path) 
             times = _browser_times(runs, tmp / f"profile-{state}-{i}", where, visits=("first",))
             for (_, page), dt in times.items():
                 res.setdefault((state, page), []).append(dt)
+            res.setdefault((state, "all pages"), []).append(
+                sum(dt for (visit, _), dt in times.items() if visit == "first"))
             print(f"  repeat {i + 1}/{repeat} {state}: " + ", ".join(
                 f"{page} {dt:.2f} s" for (_, page), dt in times.items()), flush=True)
     print(f"\nfirst render per page, headless Chromium, {repeat} fresh server(s) each, "
           f"interleaved\n{'page':<12}{'before s':>10}{'[min, max]':>16}{'after s':>10}"
           f"{'[min, max]':>16}{'after/before':>14}{'95 % CI':>18}")
-    pages = [path or "overview" for path, _, _ in _BROWSER_PAGES]
+    pages = ["server", *(path or "overview" for path, _, _ in _BROWSER_PAGES), "all pages"]
     for page in pages:
         b, a = res[("before", page)], res[("after", page)]
         r, lo, hi = _ratio_ci(a, b)
@@ -270,7 +287,7 @@ def _report_browser(cases: dict[str, list[str]], repeat: int, tmp: Path) -> None
     print(f"\nheadless Chromium\n{'page':<12}{'visit':<8}{'large median s':>15}"
           f"{'[min, max]':>18}{'golden s':>10}{'ratio':>8}")
     for path, _, _ in _BROWSER_PAGES:
-        for visit in ("first", "second"):
+        for visit in ("first", "second"):  # (the "startup" visit is not reported here)
             big = res[("large", visit, path or "overview")]
             small = res[("golden", visit, path or "overview")]
             mb, ms = statistics.median(big), statistics.median(small)

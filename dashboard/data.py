@@ -635,3 +635,58 @@ def collector_notes(path: str, version: int) -> dict[str, str]:
         det = _detail(d)
         out[str(det.get("collector") or src)] = str(det.get("reason") or "unavailable")
     return out
+
+
+#: The Overview's default grouping (its first radio option, "hit class").
+OVERVIEW_GROUP = "hit_class"
+
+
+def warm(paths: list[str] | tuple[str, ...]) -> list[str]:
+    """Compute, in the order the pages first ask for them, the cached results the pages
+    show for each run (`dashboard.serve` calls this once in the server process, before the
+    first session): the Overview's first (load, TTFT summaries, accounting, incidents,
+    diagnoses), then the other pages' tables, then the Compare page's default comparison
+    (the first run against the second).
+
+    Every call is the one the page makes, with the same arguments, so the page finds it in
+    the cache (`tests/dashboard/test_app_data.py` renders the pages after `warm` with the
+    analyses made to fail). Returns one line per run that could not be read (the page then
+    says why itself); nothing raises.
+    """
+    paths = [str(p) for p in paths]
+    errors: list[str] = []
+    versions: dict[str, int] = {}
+    if paths:
+        run_labels(tuple(paths))
+    for i, path in enumerate(paths):
+        try:
+            version = run_version(path)
+            run = load_run(path, version)
+        except (OSError, ValueError) as exc:  # InputError is a ValueError
+            errors.append(f"{path}: {exc}")
+            continue
+        versions[path] = version
+        if not len(run.requests):
+            continue
+        ttft_summary(path, version)
+        ttft_summary(path, version, by=OVERVIEW_GROUP)
+        if run.accounting_known:
+            accounting(path, version)
+        incidents(path, version)
+        origin_ns(path, version)
+        diagnoses(path, version)
+        if i == 0:
+            slowest_requests(path, version)
+            pool_counters(path, version)
+            layer_table(path, version)
+            pool_states(path, version)
+            events_named(path, version, "eviction")
+            events_table(path, version, "eviction")
+            hardware_series(path, version)
+            collector_notes(path, version)
+    if len(paths) >= 2 and paths[0] in versions and paths[1] in versions:
+        try:
+            comparison(paths[0], versions[paths[0]], paths[1], versions[paths[1]])
+        except (OSError, ValueError) as exc:
+            errors.append(f"compare {paths[0]} {paths[1]}: {exc}")
+    return errors

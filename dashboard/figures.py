@@ -152,8 +152,11 @@ def tier_bars(tiers: pd.DataFrame) -> go.Figure:
 
 
 def layer_heatmap(table: pd.DataFrame) -> go.Figure:
-    """Per layer, the share of prompt tokens hit, loaded and recomputed (`layer_table`)."""
-    kinds = ("hit", "loaded", "recomputed")
+    """Per layer, the share of prompt tokens hit, loaded and recomputed (`layer_table`), and
+    skipped (outside a sliding-window layer's window) when a layer skipped any."""
+    kinds: tuple[str, ...] = ("hit", "loaded", "recomputed")
+    if "skipped_tokens" in table and bool((table["skipped_tokens"] > 0).any()):
+        kinds += ("skipped",)
     z = np.vstack([table[f"{k}_share"].astype("float64").to_numpy() for k in kinds])
     num = np.vstack([table[f"{k}_tokens"].to_numpy(dtype=np.int64) for k in kinds])
     den = np.broadcast_to(table["prompt_tokens"].to_numpy(dtype=np.int64), num.shape)

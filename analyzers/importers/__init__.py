@@ -7,6 +7,7 @@ calls it for a file; a run directory goes to the run store instead.
 | source | format | gives |
 |---|---|---|
 | ``vllm-prometheus-v0/-v1``, ``sglang-prometheus`` | /metrics text | distributions, ratios |
+| ``kvscope-prometheus`` (``-agent-``) | kvscope's /metrics | stages, ratios, failures; hardware |
 | ``vllm-otlp`` | OTLP/JSON `llm_request` spans | requests, other/queue/prefill |
 | ``kineto`` | PyTorch profiler JSON(.gz) | kvscope.* stages, h2d, kernel totals |
 | ``nsys`` | Nsight Systems SQLite | kvscope NVTX stages, h2d, kernel totals |

@@ -1,5 +1,8 @@
 """vLLM (v0 and v1 names) and SGLang `/metrics` scrapes → stage distributions and labelled ratios.
 
+kvscope's own exposition (``kvscope_*``, from `kvscope run` or `kvscope agent`) is read by
+`analyzers.importers.kvscope_text` with this module's parser and histogram reader.
+
 A scrape is aggregate-only: it has no requests and no spans, so it cannot give a per-request TTFT
 partition. What it gives is histogram-derived distributions per stage (queue, prefill, TTFT, …)
 and the engines' hit ratios, each labelled with *its own* denominator (vLLM v1 counts queried
@@ -103,7 +106,7 @@ def load_prometheus(path: Path) -> ImportedRun:
         requests and spans frames are empty.
     Raises:
         InputError: not Prometheus text (naming the first line the parser refuses), no
-            vLLM/SGLang metric in it, or a histogram sample no histogram has (``le`` that is
+            vLLM/SGLang/kvscope metric in it, or a histogram sample no histogram has (``le`` that is
             not a number, a count that is negative or not finite, a duplicate series).
     """
     try:
@@ -120,8 +123,13 @@ def load_prometheus(path: Path) -> ImportedRun:
                                  "vllm:", _VLLM_HIST)
     elif any(n.startswith("sglang:") for n in names):
         source, prefix, table = "sglang-prometheus", "sglang:", _SGLANG_HIST
+    elif any(n.startswith("kvscope_") for n in names):
+        from analyzers.importers.kvscope_text import load_kvscope
+
+        return load_kvscope(path, samples, text)
     else:
-        raise InputError(f"{path}: Prometheus text without vllm: or sglang: metrics")
+        raise InputError(f"{path}: Prometheus text without vllm:, sglang: or kvscope_ "
+                         "metrics")
 
     run = ImportedRun.empty(source, path)
     dist_rows, hist_names = _histograms(samples, prefix, table, text, path, run)
@@ -240,8 +248,12 @@ def _unit_of(short: str) -> str:
 
 def _histograms(samples: list[tuple[str, dict[str, str], float]], prefix: str,
                 table: dict[str, tuple[str | None, str]], text: str, path: Path,
-                run: ImportedRun) -> tuple[list[dict[str, Any]], set[str]]:
-    """One distribution row per histogram series (metric × labels other than `le`)."""
+                run: ImportedRun, stage_label: dict[str, str] | None = None
+                ) -> tuple[list[dict[str, Any]], set[str]]:
+    """One distribution row per histogram series (metric × labels other than `le`).
+
+    `stage_label` maps a histogram (name without `prefix`) to the label that names its stage
+    (kvscope's ``request_stage_seconds{stage=...}``)."""
     buckets: dict[tuple[str, str], dict[float, float]] = defaultdict(dict)
     sums: dict[tuple[str, str], float] = {}
     counts: dict[tuple[str, str], float] = {}
@@ -283,6 +295,8 @@ def _histograms(samples: list[tuple[str, dict[str, str], float]], prefix: str,
         stage, unit = table.get(short, (None, _unit_of(short)))
         if short == "per_stage_req_latency_seconds":
             stage = _SGLANG_STAGE.get(labels_of[key].get("stage", ""))
+        if stage_label and short in stage_label:
+            stage = labels_of[key].get(stage_label[short]) or None
         bk = sorted(buckets[key].items())
         fixed = _monotonic(bk)
         if fixed:

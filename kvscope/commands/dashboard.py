@@ -40,6 +40,15 @@ def streamlit_argv(runs: list[Path], *, port: int, address: str) -> list[str]:
     ]
 
 
+def server_argv(runs: list[Path], *, port: int, address: str) -> list[str]:
+    """The command line `kvscope dashboard` runs: `streamlit_argv` through `dashboard.serve`
+    (``python -m dashboard.serve run APP ...``, the same arguments), which imports what the
+    pages need before the server listens and computes each run's analyses before the first
+    session asks for them."""
+    argv = streamlit_argv(runs, port=port, address=address)
+    return [argv[0], "-m", "dashboard.serve", *argv[3:]]
+
+
 def dashboard(
     runs: list[Path] = typer.Argument(
         ..., metavar="RUN",
@@ -65,7 +74,7 @@ def dashboard(
             from agent.runstore.reader import read_meta
 
             read_meta(r)
-    argv = streamlit_argv(runs, port=port, address=listen_address)
+    argv = server_argv(runs, port=port, address=listen_address)
     host = f"[{listen_address}]" if ":" in listen_address else listen_address
     typer.echo(f"kvscope dashboard: http://{host}:{port}", err=True)
     sys.stdout.flush()

@@ -108,3 +108,48 @@ def test_the_fit_is_deterministic_for_a_run() -> None:
     ns = [2e6 + 30_000 * t + rng.normal(0, 5e5) for t in tokens]
     a, b = fit_step_cost(_steps(tokens, ns)), fit_step_cost(_steps(tokens, ns))
     assert a == b
+
+
+@pytest.mark.parametrize("case", ["normal", "even", "odd", "sorted", "reversed", "ties",
+                                  "constant", "bracket_misses", "short"])
+def test_median_is_numpys_bit_for_bit(case: str) -> None:
+    """`_median` (the fit's bracketed selection) returns exactly np.median, on arrays where
+    its bracket holds the middle ranks and on ones built so that it misses (the fallback)."""
+    from analyzers.costmodel import _BRACKET_MIN, _BRACKET_STRIDE, _median
+
+    rng = np.random.default_rng(11)
+    n = 60_000
+    a = {
+        "normal": rng.normal(2e4, 5e3, n),
+        "even": rng.standard_cauchy(n) * 1e4,
+        "odd": rng.normal(0, 1, n + 1),
+        "sorted": np.sort(rng.normal(0, 1, n)),
+        "reversed": np.sort(rng.normal(0, 1, n))[::-1].copy(),
+        "ties": rng.integers(0, 7, n).astype(np.float64) / 3,
+        "constant": np.full(n, 1.5),
+        "short": rng.normal(0, 1, _BRACKET_MIN - 1),
+    }.get(case)
+    if case == "bracket_misses":  # every sampled value far above all the others
+        a = rng.normal(0, 1, n)
+        a[::_BRACKET_STRIDE] = 1e9
+    assert a is not None
+    got = _median(a)
+    want = float(np.median(a))
+    assert got == want or (np.isnan(got) and np.isnan(want)), (got, want)
+
+
+def test_the_fit_on_a_long_run_is_unchanged_by_the_bracketed_median(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On more steps than all pairs allow (sampled pairs, slopes arrays of 60,000), the fit
+    with `_median` equals, to the last bit, the fit with plain np.median."""
+    import analyzers.costmodel as cm
+
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(16, 512, 900).tolist()
+    ns = [3e6 + 25_000 * t + rng.normal(0, 4e5) for t in tokens]
+    spans = _steps(tokens, ns)
+    fast = fit_step_cost(spans, n_boot=40)
+    monkeypatch.setattr(cm, "_median", lambda a: float(np.median(a)))
+    plain = fit_step_cost(spans, n_boot=40)
+    assert fast.fitted and fast.steps == 900
+    assert fast == plain

@@ -159,14 +159,15 @@ def test_remote_failure_alert_fires_on_a_live_run(tmp_path: Path) -> None:
                                "--metrics-port", str(healthy_port))
         hit_rate = None
         while time.monotonic() - started < DEADLINE_S and healthy.poll() is None:
-            hit_rate = _query(base, f'model:kvscope_remote_hit_tokens:rate5m{{model="{MODEL}"}}')
+            hit_rate = _query(base, "instance_job_model:kvscope_remote_hit_tokens:rate5m"
+                                    f'{{model="{MODEL}"}}')
             if hit_rate:
                 break
             time.sleep(0.25)
         assert hit_rate and hit_rate > 0, (
             f"no remote hits recorded from the healthy run:\n"
             f"{(tmp_path / 'healthy.log').read_text()[-2000:]}")
-        assert _query(base, "model:kvscope_remote_load_failed_tokens:rate5m") == 0.0
+        assert _query(base, "instance_job_model:kvscope_remote_load_failed_tokens:rate5m") == 0.0
         assert _our_alerts(base) == []
         _stop(healthy)
 
@@ -201,7 +202,7 @@ def test_remote_failure_alert_fires_on_a_live_run(tmp_path: Path) -> None:
         assert alert["annotations"]["summary"] == (
             f"Remote KV reads failing for {MODEL} on 127.0.0.1:{faulty_port}")
         # The description's templated numerator and denominator read the recording rules back.
-        failed = _query(base, "model:kvscope_remote_load_failed_tokens:rate5m"
+        failed = _query(base, "instance_job_model:kvscope_remote_load_failed_tokens:rate5m"
                               f'{{instance="127.0.0.1:{faulty_port}"}}')
         assert failed is not None and failed > 0
         assert "remote-hit tokens/s (" in alert["annotations"]["description"]

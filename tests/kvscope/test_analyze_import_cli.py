@@ -88,3 +88,54 @@ def test_unknown_truncated_and_foreign_files_are_one_line_errors(
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith(f"kvscope: error: {path}"), err
     assert needle in err.lower()
+
+
+@pytest.mark.parametrize("content, needle", [
+    ('# TYPE kvscope_prompt_tokens_total counter\nkvscope_prompt_tokens_total{model="m"} -5\n',
+     "line 2 (kvscope_prompt_tokens_total{model=\"m\"}): value: a counter must be a finite "
+     "number >= 0, got -5"),
+    ('# TYPE kvscope_request_ttft_seconds histogram\n'
+     'kvscope_request_ttft_seconds_bucket{le="x",model="m"} 1\n', "'x' is not a number"),
+    ('# TYPE kvscope_requests_total counter\nkvscope_requests_total{model="m" 1\n',
+     "not valid prometheus text"),
+    ('# TYPE kvscope_preemptions_total counter\nkvscope_preemptions_total{model="m"} +Inf\n',
+     "a counter must be a finite number >= 0, got inf"),
+    ("# TYPE node_load1 gauge\nnode_load1 0.5\n", "without vllm:, sglang: or kvscope_ metrics"),
+])
+def test_garbled_kvscope_metrics_text_is_one_line(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str],
+                                                  content: str, needle: str) -> None:
+    path = tmp_path / "metrics.txt"
+    path.write_text(content)
+    code, out, err = _run(["analyze", str(path)], capsys)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith(f"kvscope: error: {path}"), err
+    assert needle.lower() in err.lower(), err
+
+
+def test_a_kvscope_scrape_with_only_the_build_says_so(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]
+                                                      ) -> None:
+    path = tmp_path / "metrics.txt"
+    path.write_text('# TYPE kvscope_build_info gauge\n'
+                    'kvscope_build_info{python="3.11.7",schema_version="2",version="0.1.0"} 1.0\n')
+    code, out, err = _run(["analyze", str(path), "--format", "json"], capsys)
+    assert code == 0, err
+    doc = json.loads(out)["import"]
+    assert doc["source"] == "kvscope-prometheus" and doc["summary"]["exporter"] == "unknown"
+    assert doc["can"] == [] and any("no engine or node-agent series" in c for c in doc["cannot"])
+
+
+def test_a_gauge_without_a_reading_is_left_out_and_named(tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]
+                                                         ) -> None:
+    path = tmp_path / "metrics.txt"
+    path.write_text('# TYPE kvscope_gpu_temperature_celsius gauge\n'
+                    'kvscope_gpu_temperature_celsius{gpu="0"} NaN\n'
+                    'kvscope_gpu_power_watts{gpu="0"} 71.5\n')
+    code, out, err = _run(["analyze", str(path), "--format", "json"], capsys)
+    assert code == 0, err
+    doc = json.loads(out)["import"]
+    assert doc["source"] == "kvscope-agent-prometheus"
+    assert doc["summary"]["hardware"] == {'kvscope_gpu_power_watts{gpu="0"}': 71.5}
+    assert any('kvscope_gpu_temperature_celsius{gpu="0"} = nan' in c for c in doc["cannot"])

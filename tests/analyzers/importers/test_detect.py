@@ -109,7 +109,7 @@ def test_sqlite_that_is_not_nsys(tmp_path):
 def test_prometheus_without_engine_metrics(tmp_path):
     p = tmp_path / "node.prom"
     p.write_text("# TYPE node_load1 gauge\nnode_load1 0.5\n")
-    assert "without vllm: or sglang: metrics" in _error(p)
+    assert "without vllm:, sglang: or kvscope_ metrics" in _error(p)
 
 
 def test_broken_prometheus_text(tmp_path):
