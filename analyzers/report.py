@@ -38,6 +38,8 @@ from analyzers.timebase import run_origin_ns
 from analyzers.ttft import partition, summarize, violations
 from analyzers.ttft_summary import TTFTSummary, records
 from analyzers.units import fmt_ns, fmt_pct, fmt_s
+from analyzers.vllm_side import render_lines as vllm_side_lines
+from analyzers.vllm_side import vllm_side_of
 
 #: Version of the JSON report layout; bumped on an incompatible change.
 #: 2: "prefill" carries the fitted step cost model ("cost") instead of a measured rate
@@ -82,6 +84,9 @@ class Report:
     layer_groups: list[dict[str, Any]] = field(default_factory=list)
     #: Device hits a layer group shortened (`analyzers.accounting.group_limits`).
     group_limits: list[dict[str, Any]] = field(default_factory=list)
+    #: A vLLM observer's run: kvscope's partition beside vLLM's queued/prefill
+    #: (`analyzers.vllm_side`); None for other runs.
+    vllm_side: Any = None
 
 
 def build_report(store: Any, *, diagnose: bool = True, by: str | None = None,
@@ -140,6 +145,7 @@ def build_report(store: Any, *, diagnose: bool = True, by: str | None = None,
         fault_events=_fault_events(getattr(store, "events", None)),
         layer_groups=groups,
         group_limits=group_limits(spans, req, groups),
+        vllm_side=vllm_side_of(store),
     )
 
 
@@ -290,7 +296,8 @@ def render_json(report: Report) -> str:
     "breaker_events": [{name, op, ts_ns, t_s}], "layer_groups": [{name, kind, layers, window,
     num_blocks, kv_bytes_per_block}], "group_limits": [{group, layers, requests, tokens, served,
     hit_tokens}]}``
-    (``diagnoses`` adds the rules not evaluated, with why, and the rules that passed). Times are
+    (``diagnoses`` adds the rules not evaluated, with why, and the rules that passed), plus
+    ``"vllm_side": VllmSide.to_dict()`` for a vLLM observer's run only. Times are
     integer or float ns; NaN is null.
     """
     doc = {
@@ -312,6 +319,8 @@ def render_json(report: Report) -> str:
         "layer_groups": list(report.layer_groups),
         "group_limits": list(report.group_limits),
     }
+    if report.vllm_side is not None:  # a vLLM observer's run only (`analyzers.vllm_side`)
+        doc["vllm_side"] = report.vllm_side.to_dict()
     return json.dumps(_clean(doc), indent=2, allow_nan=False) + "\n"
 
 
@@ -371,6 +380,10 @@ def render_doc(report: Report, *, markdown: bool = False) -> str:
                    "(device hit, host or remote load, recompute)")
     else:
         _accounting_section(report, out, head, table, markdown)
+
+    if report.vllm_side is not None:
+        head("kvscope's partition beside vLLM's queued_time / prefill_time")
+        out.extend(vllm_side_lines(report.vllm_side))
 
     head("Checks")
     v = report.violations
@@ -740,12 +753,15 @@ def render_import(imp: Any, report: Report | None, fmt: str) -> str:
         rows = []
         for d in dist.itertuples():
             unit = "" if _missing(d.unit) else str(d.unit)
-            rows.append([str(d.metric), "-" if _missing(d.stage) else str(d.stage),
+            labels = getattr(d, "labels", None)
+            rows.append([str(d.metric), "" if _missing(labels) else str(labels),
+                         "-" if _missing(d.stage) else str(d.stage),
                          _num(d.count), *(_in_unit(v, unit) for v in (d.mean, d.p50, d.p90,
                                                                         d.p99)),
                          str(d.note or "")])
-        table(Table(["metric", "stage", "count", "mean", "p50", "p90", "p99", "note"], rows,
-                    align="llrrrrrl"))
+        # Labels tell apart the rows of one metric (a transfer kind, a step phase).
+        table(Table(["metric", "labels", "stage", "count", "mean", "p50", "p90", "p99", "note"],
+                    rows, align="lllrrrrrl"))
     _import_summary(imp, out, head, table)
     text = "\n".join(out) + "\n"
     if report is not None:

@@ -80,6 +80,8 @@ def run(**kwargs: Any) -> None:
         progress.start()
         started = True
 
+    if opts.engine == "vllm":  # vLLM's engine with kvscope's observer (needs .venv-vllm)
+        from kvscope.vllm.entry import run_vllm_session as run_session
     try:
         summary = run_session(opts, on_start=on_start,
                               on_finished=lambda _o: progress.advance(task))

@@ -508,7 +508,8 @@ def test_prometheus_report_text_formats(capsys: pytest.CaptureFixture[str]) -> N
     code, out, _ = _cli(["analyze", shared_data(SGLANG)], capsys)
     assert code == 0
     row = next(line for line in out.splitlines() if "sglang:func_latency_seconds" in line)
-    assert " nan " not in row and row.split()[1] == "-"  # no stage: "-", not "nan"
+    # Its labels tell its rows apart; no stage: "-", not "nan".
+    assert " nan " not in row and row.split()[1:3] == ['name="generate_request"', "-"]
     assert "0.007507552643049313" not in out and "0.75 %" in out  # formatted
 
 
