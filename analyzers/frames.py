@@ -25,14 +25,19 @@ STAGE_COLUMNS: tuple[str, ...] = tuple(f"{s}_ns" for s in TTFT_STAGES)
 QUANTILE_METHOD = "linear"
 
 
-def arrow_strings(col: pd.Series) -> pa.Array:
-    """A string column as one Arrow ``large_string`` array (zero-copy for Arrow-backed columns)."""
+def arrow_strings(col: pd.Series) -> pa.Array | pa.ChunkedArray:
+    """A string column as Arrow ``string`` or ``large_string`` data, zero-copy for Arrow-backed
+    columns: a run store's columns stay in the chunks they were read in (one per part) and in
+    their own string type, since joining the chunks or casting copies every string. Other
+    columns (``object``, all-null) become one ``large_string`` array."""
     arr = pa.array(col.array) if len(col) else pa.array([], pa.large_string())
-    if isinstance(arr, pa.ChunkedArray):
-        arr = arr.combine_chunks()
-    if arr.type != pa.large_string():
+    if not (pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)):
         arr = arr.cast(pa.large_string())
     return arr
+
+
+def _array(arr: pa.Array | pa.ChunkedArray) -> pa.Array:
+    return arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
 
 
 def ints(col: pd.Series, fill: int = -1) -> np.ndarray:
@@ -54,8 +59,15 @@ def categorize(col: pd.Series) -> tuple[np.ndarray, list[str | None]]:
         ``(codes, values)``: int64 index of each row into `values` (-1 for null).
     """
     enc = pc.dictionary_encode(arrow_strings(col))
-    idx = pc.fill_null(enc.indices, -1).to_numpy(zero_copy_only=False).astype(np.int64)
-    return idx, enc.dictionary.to_pylist()
+    if isinstance(enc, pa.ChunkedArray):  # one dictionary for all the chunks
+        enc = enc.unify_dictionaries()
+        dictionary = (enc.chunk(0).dictionary if enc.num_chunks
+                      else pa.array([], pa.large_string()))
+        indices = pa.chunked_array([c.indices for c in enc.chunks], pa.int32())
+    else:
+        dictionary, indices = enc.dictionary, enc.indices
+    idx = pc.fill_null(indices, -1).to_numpy(zero_copy_only=False).astype(np.int64)
+    return idx, dictionary.to_pylist()
 
 
 def recode(codes_values: tuple[np.ndarray, list[str | None]],
@@ -75,7 +87,11 @@ def request_index(span_ids: pd.Series, request_ids: pd.Series) -> np.ndarray:
 
     A hash join in Arrow's C++ kernels: about 20 M lookups/s, no sort.
     """
-    idx = pc.index_in(arrow_strings(span_ids), value_set=arrow_strings(request_ids))
+    spans = arrow_strings(span_ids)
+    values = _array(arrow_strings(request_ids))
+    if values.type != spans.type:
+        values = values.cast(spans.type)
+    idx = pc.index_in(spans, value_set=values)
     return pc.fill_null(idx, -1).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
 
 
@@ -91,7 +107,8 @@ def equals(col: pd.Series, value: str) -> np.ndarray:
 
     A byte comparison per row: cheaper than hashing when only one or two values matter.
     """
-    eq = pc.equal(arrow_strings(col), pa.scalar(value, pa.large_string()))
+    arr = arrow_strings(col)
+    eq = pc.equal(arr, pa.scalar(value, arr.type))
     return pc.fill_null(eq, False).to_numpy(zero_copy_only=False)
 
 

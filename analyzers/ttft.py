@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from agent.errors import InputError
 from agent.intervals import (
     STAGE_RANK,
     clip_to_window,
@@ -36,6 +37,8 @@ __all__ = [
     "ACTIVITY_STAGES",
     "HIT_CLASSES",
     "LOAD_ACTIVITIES",
+    "PARTITION_SPAN_COLUMNS",
+    "PARTITION_SPAN_KINDS",
     "STAGE_COLUMNS",
     "PartitionError",
     "TTFTSummary",
@@ -51,6 +54,13 @@ ACTIVITY_STAGES: Mapping[str, str] = {**{s: s for s in TTFT_STAGES}, "prefetch":
 #: Activity span names that move KV towards the device: their overlap with queue time is the
 #: request's hidden load time.
 LOAD_ACTIVITIES: tuple[str, ...] = ("remote_read", "prefetch", "h2d", "host_read")
+#: The span columns `partition` reads, and the span kinds it reads (the others are ignored):
+#: open a run with ``open_run(..., columns={"spans": PARTITION_SPAN_COLUMNS}, filters={"spans":
+#: [("kind", "in", list(PARTITION_SPAN_KINDS))]})`` to read only what the partition needs; its
+#: result is the same as over the whole spans table. Without ``request_id``, spans are matched
+#: to requests by the int64 ``request_num`` (the run store writes both for every span).
+PARTITION_SPAN_COLUMNS: tuple[str, ...] = ("request_num", "kind", "name", "start_ns", "end_ns")
+PARTITION_SPAN_KINDS: tuple[str, ...] = ("state", "activity")
 #: Hit classes of a request, from its accounting: nothing reused, some, or every lookup token.
 HIT_CLASSES: tuple[str, ...] = ("cold", "partial", "full")
 
@@ -59,7 +69,7 @@ _K = len(TTFT_STAGES)
 _QUEUE = TTFT_STAGES.index("queue")
 _STATE, _ACTIVITY = SPAN_KINDS.index("state"), SPAN_KINDS.index("activity")
 _REQUIRED_REQUESTS = ("request_id", "arrival_ns", "first_token_ns")
-_REQUIRED_SPANS = ("request_id", "kind", "name", "start_ns", "end_ns")
+_REQUIRED_SPANS = ("kind", "name", "start_ns", "end_ns")
 
 
 class PartitionError(RuntimeError):
@@ -140,7 +150,10 @@ def partition(
         requests: the run store's ``requests`` frame (``request_id, arrival_ns,
             first_token_ns`` required; ``finish_ns, status, tenant, workload_class,
             output_tokens`` and the accounting columns used when present).
-        spans: the ``spans`` frame (``request_id, kind, name, start_ns, end_ns``).
+        spans: the ``spans`` frame (``request_id, kind, name, start_ns, end_ns``); without
+            ``request_id`` but with ``request_num`` (in both frames), spans are matched to
+            requests by the int64 ``request_num`` instead of the string id. Only the rows of
+            `PARTITION_SPAN_KINDS` are read.
         activity_stages: activity name → stage, for requests without state spans.
         load_activities: activity names whose overlap with queue time is hidden load time.
 
@@ -155,11 +168,14 @@ def partition(
         first token, whose TTFT is undefined.
 
     Raises:
-        InputError: missing columns or duplicate request ids.
+        InputError: missing columns, duplicate request ids (or request_nums, when matching
+            by them).
         PartitionError: the stages of some request do not sum to its TTFT (a kvscope bug).
     """
     F.require_columns(requests, _REQUIRED_REQUESTS, "requests")
-    F.require_columns(spans, _REQUIRED_SPANS, "spans")
+    by_num = "request_id" not in spans and "request_num" in spans and "request_num" in requests
+    F.require_columns(spans, _REQUIRED_SPANS if by_num else ("request_id", *_REQUIRED_SPANS),
+                      "spans")
     F.require_unique_ids(requests)
     n = len(requests)
     arrival = F.ints(requests["arrival_ns"])
@@ -171,7 +187,8 @@ def partition(
 
     # Only attributed state and activity spans of requests with a first token can matter: select
     # them once, so that every later pass runs over those rows alone (not steps, not others).
-    ridx = F.request_index(spans["request_id"], requests["request_id"])
+    ridx = (_request_rows_by_num(spans["request_num"], requests["request_num"]) if by_num
+            else F.request_index(spans["request_id"], requests["request_id"]))
     is_state_kind = F.equals(spans["kind"], "state")
     keep = (ridx >= 0) & (is_state_kind | F.equals(spans["kind"], "activity"))
     keep[keep] = has_ft[ridx[keep]]
@@ -233,6 +250,41 @@ def partition(
         raise PartitionError("stages do not sum to ttft_ns for request(s) "
                              f"{', '.join(map(str, ids))}")
     return _frame(requests, stage_ns, ttft, hidden, has_ft, derived, _flag_text(flags, n))
+
+
+def _request_rows_by_num(span_nums: pd.Series, request_nums: pd.Series) -> np.ndarray:
+    """Row of `request_nums` that each span's request_num names (-1: null or unknown): an
+    int64 join, through a dense lookup table when the numbers are compact (a run's are
+    0..n-1), else a binary search.
+
+    Raises:
+        InputError: a request without a request_num, or two with the same.
+    """
+    if not F.valid(request_nums).all():
+        raise InputError("requests: request_num missing for some request (spans without "
+                         "request_id are matched to requests by it)")
+    rn = F.ints(request_nums)
+    sn = F.ints(span_nums, 0)
+    ok = F.valid(span_nums)
+    out = np.full(len(sn), -1, dtype=np.int64)
+    if not len(rn):
+        return out
+    order = np.argsort(rn, kind="stable")
+    srt = rn[order]
+    if (srt[1:] == srt[:-1]).any():
+        dup = sorted(set(srt[1:][srt[1:] == srt[:-1]].tolist()))[:5]
+        raise InputError(f"requests: duplicate request_num(s) {', '.join(map(str, dup))}")
+    lo, hi = int(srt[0]), int(srt[-1])
+    if hi - lo < 8 * len(rn) + 1024:  # dense: one gather per span
+        lut = np.full(hi - lo + 1, -1, dtype=np.int64)
+        lut[rn - lo] = np.arange(len(rn))
+        inside = ok & (sn >= lo) & (sn <= hi)
+        out[inside] = lut[sn[inside] - lo]
+        return out
+    pos = np.minimum(np.searchsorted(srt, sn), len(srt) - 1)
+    hit = ok & (srt[pos] == sn)
+    out[hit] = order[pos[hit]]
+    return out
 
 
 def _resolve_broken(broken: np.ndarray, sr: np.ndarray, s_start: np.ndarray, s_end: np.ndarray,

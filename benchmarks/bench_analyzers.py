@@ -1,58 +1,294 @@
-"""Benchmark: TTFT partition + aggregates over a synthetic run store of 1,000,000 requests.
+"""Benchmark: the analyzer (TTFT partition + aggregates + token accounting) from Parquet, against
+DuckDB computing the same outputs and against a per-request Python loop.
 
-One run prints:
-  1. the synthetic store (requests, span rows), written as Parquet parts and read back with
-     `agent.runstore.open_run` (read time reported apart from the analysis);
-  2. analysis time over the whole store — `partition` + `summarize` + `token_accounting` —
-     as span rows per second (target >= 1 M rows/s), median of the repetitions;
-  3. the speedup over a straightforward per-request Python implementation of the same
-     analysis, measured on a subsample of the requests in this same run (both implementations
-     on the same subsample, interleaved, medians of CPU time), after checking that both give
-     the same numbers on it.
+The store: a real run's span mix. ``kvscope run`` (docqa, ``--model tiny``, host + file://
+tiers) writes a real run store (or ``--run DIR`` names one); it is tiled ``--copies`` times
+(request ids, request numbers, times, step and transfer ids shifted per copy, so that every
+copy is a distinct, equally valid stretch of the same run) into a store of ~10 M span rows
+(``--copies 450`` of the default 300-request run: 9,994,500 span rows, of which 2.0 M state and
+activity rows, the rest steps and ledger rows).
 
-Wall time and this process's CPU time are both printed: the machine is shared, and CPU time is
-what the analysis itself costs when other processes compete for the cores.
+Measures, each printed with its interval and the load average:
 
-Usage: ``python benchmarks/bench_analyzers.py [--requests 1000000] [--subsample 20000]``
+1. *analyzer vs DuckDB, whole process*: a fresh process per run. kvscope: ``open_run`` with
+   column projection and predicate push-down (`analyzers.ttft.PARTITION_SPAN_COLUMNS`, rows of
+   `PARTITION_SPAN_KINDS`), then ``partition`` + ``summarize`` + ``token_accounting``. DuckDB:
+   one SQL query over the same Parquet files computing the same outputs (per stage, TTFT and
+   hidden load: p50/p90/p99, mean, total; accounting totals), valid for recorded partitions
+   that tile TTFT (every request of a kvscope run; checked: the outputs of both are compared
+   before any timing, and a difference stops the benchmark). Interleaved pairs (order
+   alternating), median per-pair ratio with a distribution-free interval; span rows/s of each.
+2. *``kvscope analyze RUN --format json``, whole process*: the full report (partition, cost
+   model, consistency check, diagnoses), ``--full-reps`` runs; span rows/s.
+3. *vectorised vs a per-request Python loop*: the same analysis on a subsample of the store's
+   requests (in process, CPU time, interleaved pairs, after checking both give the same
+   numbers); median per-pair ratio with its interval.
+
+Usage::
+
+    .venv/bin/python benchmarks/bench_analyzers.py [--run DIR] [--copies 450] [--pairs 7]
+        [--full-reps 1] [--subsample 10000] [--sub-pairs 5]
+
+DuckDB (PyPI ``duckdb``) is a benchmark-only dependency (the ``bench`` extra); without it
+measure 1 is skipped with a note.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
+import math
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from collections import defaultdict
 from itertools import pairwise
 from pathlib import Path
-from typing import Any
-
-import numpy as np
-import pandas as pd
+from typing import TYPE_CHECKING, Any
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # the synthetic generator lives with the tests
+if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from agent.runstore import RunStoreWriter, open_run  # noqa: E402
-from agent.schema import ACCOUNTING_COLUMNS, STAGE_PRIORITY, TTFT_STAGES  # noqa: E402
-from analyzers.accounting import token_accounting  # noqa: E402
-from analyzers.ttft import partition, summarize  # noqa: E402
-from tests.synthetic_run import SyntheticConfig, generate  # noqa: E402
+if TYPE_CHECKING:
+    import pandas as pd
 
 PART_ROWS = 1_000_000
-_RANK = {s: i for i, s in enumerate(STAGE_PRIORITY)}
-_LOADS = {"remote_read", "prefetch", "h2d", "host_read"}
+#: `agent.schema.TTFT_STAGES` and `STAGE_PRIORITY`, spelled out so that the DuckDB child
+#: process imports nothing of kvscope's (checked against the schema in `main`).
+STAGES = ("lookup", "queue", "remote_read", "h2d", "sync", "prefill", "other")
+LOADS = ("remote_read", "prefetch", "h2d", "host_read")
+QUANTILES = (0.5, 0.9, 0.99)
+#: `agent.schema.STAGE_PRIORITY`: the sweep line's order, highest first.
+PRIORITY = ("prefill", "sync", "h2d", "queue", "remote_read", "lookup", "other")
+_RANK = {s: i for i, s in enumerate(PRIORITY)}
+_LOADS = set(LOADS)
 
 
-def vectorised(requests: pd.DataFrame, spans: pd.DataFrame) -> dict[str, Any]:
-    part = partition(requests, spans)
-    summary = summarize(part)
-    acct = token_accounting(requests)
-    return {"part": part, "summary": summary, "acct": acct}
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg()) + f" on {os.cpu_count()} CPUs"
+
+
+def median_interval(values: list[float], conf: float = 0.95) -> tuple[float, float, float]:
+    """(low, high, coverage): the order-statistics interval for the median of `values` with
+    coverage >= `conf` when the sample allows it, else the full range and its coverage."""
+    v = sorted(values)
+    n = len(v)
+
+    def cover(k: int) -> float:  # P(x_(k) <= median <= x_(n-k+1)), k 1-based
+        return 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2 ** n
+
+    k = 1
+    while k + 1 <= n // 2 and cover(k + 1) >= conf:
+        k += 1
+    return v[k - 1], v[n - k], cover(k)
+
+
+# ------------------------------------------------------------------------------------------
+# The store: a real run, tiled.
+# ------------------------------------------------------------------------------------------
+
+
+def make_real_run(out: Path, requests: int = 300) -> Path:
+    """A real run of our engine with host and file:// tiers (about 90 s on 2 cores)."""
+    subprocess.run([sys.executable, "-m", "kvscope.cli", "run", "-n", str(requests),
+                    "--model", "tiny", "--num-blocks", "64", "--host-blocks", "256",
+                    "--remote", f"file://{out.parent / 'remote-tier'}", "--out", str(out),
+                    "-q"], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    return out
+
+
+def tile_run(src: Path, dst: Path, copies: int) -> dict[str, int]:
+    """Write `copies` shifted copies of run store `src` into a new run store `dst`."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from agent.runstore import RunStoreWriter, open_run
+
+    s = open_run(src)
+    req, sp, lay = s.tables["requests"], s.tables["spans"], s.tables["layers"]
+    t_lo = pc.min(req["arrival_ns"]).as_py()
+    t_hi = max(pc.max(sp["end_ns"]).as_py(), pc.max(req["finish_ns"]).as_py() or 0)
+    period = t_hi - t_lo + 1_000_000
+    n_req = pc.max(req["request_num"]).as_py() + 1
+    n_step = (pc.max(sp["step_id"]).as_py() or 0) + 1
+    n_tid = (pc.max(sp["transfer_id"]).as_py() or 0) + 1
+
+    def shift(t: pa.Table, col: str, by: int) -> pa.Table:
+        return t.set_column(t.column_names.index(col), col,
+                            pc.add(t[col], pa.scalar(by, t[col].type)))
+
+    def rename(t: pa.Table, k: int) -> pa.Table:
+        i = t.column_names.index("request_id")
+        return t.set_column(i, "request_id", pc.binary_join_element_wise(
+            pa.scalar(f"t{k}-"), t["request_id"], ""))
+
+    w = RunStoreWriter(dst, config=s.meta.get("config"), run_id=f"tiled-{copies}")
+    spans: list[pa.Table] = []
+    reqs, lays, pending = [], [], 0
+    for k in range(copies):
+        r = shift(rename(req, k), "request_num", k * n_req)
+        for c in ("arrival_ns", "first_token_ns", "finish_ns"):
+            r = shift(r, c, k * period)
+        reqs.append(r)
+        x = shift(rename(sp, k), "request_num", k * n_req)
+        for c in ("start_ns", "end_ns"):
+            x = shift(x, c, k * period)
+        x = shift(shift(x, "step_id", k * n_step), "transfer_id", k * n_tid)
+        wo = x["waits_on"].combine_chunks()
+        wo = pa.ListArray.from_arrays(wo.offsets, pc.add(wo.values, pa.scalar(k * n_tid,
+                                                                             pa.int64())),
+                                      type=wo.type, mask=wo.is_null())
+        spans.append(x.set_column(x.column_names.index("waits_on"), "waits_on", wo))
+        pending += x.num_rows
+        if pending >= PART_ROWS:
+            w.write("spans", pa.concat_tables(spans))
+            spans, pending = [], 0
+        lays.append(rename(lay, k))
+    if spans:
+        w.write("spans", pa.concat_tables(spans))
+    w.write("requests", pa.concat_tables(reqs))
+    w.write("layers", pa.concat_tables(lays))
+    w.write("samples", s.tables["samples"])
+    w.write("events", s.tables["events"])
+    w.close()
+    meta = json.loads((dst / "run.json").read_text())
+    meta.update(start_ns=s.meta.get("start_ns"), status="complete",
+                end_ns=(s.meta.get("start_ns") or t_lo) + copies * period)
+    (dst / "run.json").write_text(json.dumps(meta))
+    return {"requests": req.num_rows * copies, "spans": sp.num_rows * copies}
+
+
+# ------------------------------------------------------------------------------------------
+# Measure 1: the two processes. Each prints the same JSON document.
+# ------------------------------------------------------------------------------------------
+
+_OUT_STATS = ("p50", "p90", "p99", "mean", "total")
+
+
+def kvscope_outputs(run: Path, whole: bool = False) -> dict[str, Any]:
+    """kvscope's analyzer from Parquet: the projected, filtered read, then the analysis
+    (`whole`: every span column and row read, spans matched by their string request_id, as
+    before projection)."""
+    from agent.runstore import open_run
+    from analyzers.accounting import token_accounting
+    from analyzers.ttft import PARTITION_SPAN_COLUMNS, PARTITION_SPAN_KINDS, partition, summarize
+
+    store = open_run(run, tables=("requests", "spans")) if whole else open_run(
+        run, tables=("requests", "spans"), columns={"spans": PARTITION_SPAN_COLUMNS},
+        filters={"spans": [("kind", "in", list(PARTITION_SPAN_KINDS))]})
+    part = partition(store.requests, store.spans)
+    st = summarize(part).stages.set_index("stage")
+    acct = token_accounting(store.requests)
+    out: dict[str, Any] = {"requests": int(part["ttft_ns"].notna().sum()),
+                           "violations": int(part["violation"].notna().sum()),
+                           "derived": int(part["derived"].sum())}
+    for name in (*STAGES, "ttft", "hidden_load"):
+        row = st.loc[name]
+        out[name] = [float(row["p50_ns"]), float(row["p90_ns"]), float(row["p99_ns"]),
+                     float(row["mean_ns"]), int(row["total_ns"])]
+    out["totals"] = {k: int(v) for k, v in acct.totals.items()}
+    return out
+
+
+def _duckdb_sql(run: Path, accounting: list[str]) -> str:
+    spans = f"read_parquet('{run}/spans/part-*.parquet')"
+    requests = f"read_parquet('{run}/requests/part-*.parquet')"
+    stage_list = ", ".join(f"'{s}'" for s in STAGES)
+    load_list = ", ".join(f"'{s}'" for s in LOADS)
+    per_stage = ",\n".join(
+        f"coalesce(sum(end_ns - start_ns) FILTER (WHERE name = '{s}'), 0) AS \"{s}\""
+        for s in STAGES)
+    q = "[" + ", ".join(map(str, QUANTILES)) + "]"
+    cols = [*STAGES, "ttft", "hidden_load"]
+    aggs = ",\n".join(
+        f"quantile_cont(\"{c}\", {q}) AS \"{c}_q\", avg(\"{c}\") AS \"{c}_mean\", "
+        f"sum(\"{c}\")::BIGINT AS \"{c}_total\"" for c in cols)
+    totals = ", ".join(f"sum({c})::BIGINT AS \"acct_{c}\"" for c in accounting)
+    return f"""
+    WITH r AS (
+        SELECT request_num, arrival_ns AS a, first_token_ns AS f, {', '.join(accounting)}
+        FROM {requests} WHERE first_token_ns IS NOT NULL AND first_token_ns >= arrival_ns),
+    s AS (
+        SELECT sp.request_num, sp.kind, sp.name, sp.start_ns, sp.end_ns, r.a, r.f
+        FROM {spans} sp JOIN r USING (request_num)
+        WHERE sp.kind IN ('state', 'activity')),
+    st AS (SELECT * FROM s WHERE kind = 'state' AND name IN ({stage_list})
+                                 AND (start_ns < f OR start_ns = a)),
+    per AS (SELECT request_num, {per_stage} FROM st GROUP BY request_num),
+    q AS (SELECT request_num, greatest(start_ns, a) AS qs, least(end_ns, f) AS qe
+          FROM st WHERE name = 'queue'),
+    l AS (SELECT request_num, greatest(start_ns, a) AS ls, least(end_ns, f) AS le
+          FROM s WHERE kind = 'activity' AND name IN ({load_list})
+                       AND least(end_ns, f) > greatest(start_ns, a)),
+    hl AS (SELECT q.request_num,
+                  sum(greatest(0, least(qe, le) - greatest(qs, ls))) AS hidden_load
+           FROM q JOIN l USING (request_num) GROUP BY q.request_num),
+    full_ AS (
+        SELECT {', '.join(f'coalesce(per."{s}", 0) AS "{s}"' for s in STAGES)},
+               r.f - r.a AS ttft, coalesce(hl.hidden_load, 0) AS hidden_load
+        FROM r LEFT JOIN per USING (request_num) LEFT JOIN hl USING (request_num)),
+    agg AS (SELECT count(*) AS requests, {aggs} FROM full_),
+    tot AS (SELECT {totals} FROM r)
+    SELECT * FROM agg, tot
+    """
+
+
+def duckdb_outputs(run: Path, accounting: list[str]) -> dict[str, Any]:
+    import duckdb
+
+    con = duckdb.connect()
+    cur = con.execute(_duckdb_sql(run, accounting))
+    names = [d[0] for d in cur.description]
+    row = dict(zip(names, cur.fetchone(), strict=True))
+    out: dict[str, Any] = {"requests": int(row["requests"]), "violations": 0, "derived": 0}
+    for c in (*STAGES, "ttft", "hidden_load"):
+        out[c] = [*(float(x) for x in row[f"{c}_q"]), float(row[f"{c}_mean"]),
+                  int(row[f"{c}_total"])]
+    out["totals"] = {k[len("acct_"):]: int(v or 0) for k, v in row.items()
+                     if k.startswith("acct_")}
+    return out
+
+
+def _child(kind: str, run: Path, accounting: list[str]) -> None:
+    out = (duckdb_outputs(run, accounting) if kind == "duckdb"
+           else kvscope_outputs(run, whole=kind == "kvscope-whole"))
+    sys.stdout.write(json.dumps(out))
+
+
+def _same_outputs(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    bad = []
+    for k in a:
+        x, y = a[k], b.get(k)
+        if isinstance(x, list):
+            if not (len(x) == len(y) and x[4] == y[4] and all(
+                    math.isclose(p, q, rel_tol=1e-12, abs_tol=1e-3)
+                    for p, q in zip(x[:4], y[:4], strict=True))):
+                bad.append(f"{k}: kvscope {x} != duckdb {y}")
+        elif x != y:
+            bad.append(f"{k}: kvscope {x} != duckdb {y}")
+    return bad
+
+
+def _run_child(kind: str, run: Path) -> tuple[float, dict[str, Any]]:
+    t0 = time.perf_counter()
+    res = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", kind,
+                          "--run", str(run)], check=True, capture_output=True, text=True)
+    return time.perf_counter() - t0, json.loads(res.stdout)
+
+
+def _ratio_line(base: list[float], ours: list[float], rows: int) -> None:
+    ratios = [o / b for b, o in zip(base, ours, strict=True)]
+    lo, hi, cov = median_interval(ratios)
+    mb, mo = statistics.median(base), statistics.median(ours)
+    print(f"  kvscope median {mo:.2f} s = {rows / mo / 1e6:.2f} M span rows/s; DuckDB median "
+          f"{mb:.2f} s = {rows / mb / 1e6:.2f} M span rows/s; kvscope time / DuckDB time "
+          f"per-pair median {statistics.median(ratios):.2f}x [{lo:.2f}x, {hi:.2f}x] "
+          f"({cov:.0%} interval, {len(ratios)} pairs; goal <= 1.5x)")
 
 
 # ------------------------------------------------------------------------------------------
@@ -87,7 +323,7 @@ def _sweep(a: int, f: int, iv: list[tuple[str, int, int]]) -> dict[str, int]:
     """Priority sweep over clipped intervals: the top stage of each elementary segment."""
     cuts = sorted({a, f, *(min(max(s, a), f) for _, s, _ in iv),
                    *(min(max(e, a), f) for _, _, e in iv)})
-    out = dict.fromkeys(TTFT_STAGES, 0)
+    out = dict.fromkeys(STAGES, 0)
     for lo, hi in pairwise(cuts):
         top = "other"
         for n, s, e in iv:
@@ -117,7 +353,7 @@ def python_partition(requests: pd.DataFrame, spans: pd.DataFrame) -> list[dict[s
             x[1] == y[0] for x, y in pairwise(chain)) and all(
             e >= s for s, e in chain)
         if tiles:
-            stage = dict.fromkeys(TTFT_STAGES, 0)
+            stage = dict.fromkeys(STAGES, 0)
             for n, s, e in states:
                 stage[n] += e - s
         elif states:
@@ -142,9 +378,11 @@ def _pct(sorted_v: list[int], q: float) -> float:
 
 
 def python_analysis(requests: pd.DataFrame, spans: pd.DataFrame) -> dict[str, Any]:
+    from agent.schema import ACCOUNTING_COLUMNS
+
     rows = python_partition(requests, spans)
     summary = {}
-    for col in [*(f"{s}_ns" for s in TTFT_STAGES), "ttft_ns", "hidden_load_ns"]:
+    for col in [*(f"{s}_ns" for s in STAGES), "ttft_ns", "hidden_load_ns"]:
         v = sorted(r[col] for r in rows)
         summary[col] = [_pct(v, q) for q in (0.5, 0.9, 0.99)]
     totals = dict.fromkeys(ACCOUNTING_COLUMNS, 0)
@@ -156,6 +394,8 @@ def python_analysis(requests: pd.DataFrame, spans: pd.DataFrame) -> dict[str, An
 
 
 def _same_answers(vec: dict[str, Any], py: dict[str, Any]) -> None:
+    import numpy as np
+
     part = vec["part"].set_index("request_id")
     for r in py["rows"]:
         got = part.loc[r["request_id"]]
@@ -179,6 +419,8 @@ def _subsample(requests: pd.DataFrame, spans: pd.DataFrame, n: int
     return sub, spans.loc[keep].reset_index(drop=True)
 
 
+
+
 def _timed(fn: Any, *args: Any) -> tuple[float, Any, float]:
     """(wall seconds, result, CPU seconds of this process)."""
     gc.collect()
@@ -187,67 +429,141 @@ def _timed(fn: Any, *args: Any) -> tuple[float, Any, float]:
     return time.perf_counter() - t0, out, time.process_time() - c0
 
 
-def main() -> None:
+def vectorised(requests: pd.DataFrame, spans: pd.DataFrame) -> dict[str, Any]:
+    from analyzers.accounting import token_accounting
+    from analyzers.ttft import partition, summarize
+
+    part = partition(requests, spans)
+    return {"part": part, "summary": summarize(part), "acct": token_accounting(requests)}
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=1_000_000)
-    ap.add_argument("--repeat", type=int, default=3, help="full-store repetitions")
-    ap.add_argument("--subsample", type=int, default=20_000)
-    ap.add_argument("--pairs", type=int, default=5, help="interleaved subsample pairs")
-    args = ap.parse_args()
+    ap.add_argument("--run", type=Path, help="a real run store to tile (default: make one)")
+    ap.add_argument("--copies", type=int, default=450, help="copies of the run (default 450)")
+    ap.add_argument("--pairs", type=int, default=7, help="interleaved whole-process pairs")
+    ap.add_argument("--full-reps", type=int, default=1,
+                    help="runs of `kvscope analyze --format json` (0: skip)")
+    ap.add_argument("--subsample", type=int, default=10_000, help="requests for measure 3")
+    ap.add_argument("--sub-pairs", type=int, default=5, help="interleaved pairs, measure 3")
+    ap.add_argument("--child", choices=("kvscope", "kvscope-whole", "duckdb"),
+                    help=argparse.SUPPRESS)
+    ap.add_argument("--accounting", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        _child(args.child, args.run, [c for c in args.accounting.split(",") if c])
+        return 0
 
-    t0 = time.perf_counter()
-    tables = generate(SyntheticConfig(requests=args.requests, seed=0))
-    gen_s = time.perf_counter() - t0
-    n_spans = tables["spans"].num_rows
-    with tempfile.TemporaryDirectory(prefix="kvscope-bench-") as tmp:
-        w = RunStoreWriter(Path(tmp) / "run", run_id="bench")
+    from agent.schema import ACCOUNTING_COLUMNS, STAGE_PRIORITY, TTFT_STAGES
+    from analyzers.ttft import LOAD_ACTIVITIES
+
+    assert (tuple(TTFT_STAGES), tuple(LOAD_ACTIVITIES), tuple(STAGE_PRIORITY)) == (
+        STAGES, LOADS, PRIORITY), "update STAGES, LOADS, PRIORITY"
+    print(f"load average at start: {load_average()}")
+    with tempfile.TemporaryDirectory(prefix="kvscope-bench-analyzers-") as tmp:
+        src = args.run
+        if src is None:
+            t0 = time.perf_counter()
+            src = make_real_run(Path(tmp) / "real")
+            print(f"real run: kvscope run -n 300 --model tiny, host + file:// tiers "
+                  f"({time.perf_counter() - t0:.0f} s)")
+        store = Path(tmp) / "tiled"
         t0 = time.perf_counter()
-        w.write("requests", tables["requests"])
-        for off in range(0, n_spans, PART_ROWS):
-            w.write("spans", tables["spans"].slice(off, PART_ROWS))
-        w.close()
-        write_s = time.perf_counter() - t0
-        del tables
+        rows = tile_run(src, store, args.copies)
+        print(f"store: {args.copies} copies of {src}: {rows['requests']:,} requests, "
+              f"{rows['spans']:,} span rows ({time.perf_counter() - t0:.0f} s to write)")
+        n_spans = rows["spans"]
+        _measure_duckdb(store, n_spans, args.pairs, list(ACCOUNTING_COLUMNS))
+        _measure_full(store, n_spans, args.full_reps)
+        _measure_loop(store, args.subsample, args.sub_pairs)
+    print(f"load average at end: {load_average()}")
+    return 0
+
+
+def _measure_duckdb(store: Path, n_spans: int, pairs: int, accounting: list[str]) -> None:
+    try:
+        import duckdb  # noqa: F401
+    except ImportError:
+        print("1. skipped: duckdb not installed (pip install -e '.[bench]')")
+        return
+
+    def duck() -> tuple[float, dict[str, Any]]:
         t0 = time.perf_counter()
-        store = open_run(Path(tmp) / "run", tables=("requests", "spans"))
-        requests, spans = store.requests, store.spans
-        read_s = time.perf_counter() - t0
-    print(f"synthetic run store: {len(requests):,} requests, {n_spans:,} span rows "
-          f"(generated in {gen_s:.1f} s, written as {-(-n_spans // PART_ROWS)} span parts in "
-          f"{write_s:.1f} s, read back with open_run in {read_s:.1f} s; reading is not "
-          "counted below)")
+        res = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child",
+                              "duckdb", "--run", str(store), "--accounting",
+                              ",".join(accounting)], check=True, capture_output=True, text=True)
+        return time.perf_counter() - t0, json.loads(res.stdout)
 
-    full, cpu = [], []
-    for _ in range(args.repeat):
-        secs, _out, csecs = _timed(vectorised, requests, spans)
-        full.append(secs)
-        cpu.append(csecs)
-        del _out
-    med, med_cpu = statistics.median(full), statistics.median(cpu)
-    print(f"partition + summarize + token_accounting over the whole store: median {med:.2f} s "
-          f"wall of {args.repeat} ({', '.join(f'{s:.2f}' for s in full)} s) = "
-          f"{n_spans / med / 1e6:.2f} M span rows/s (target >= 1 M rows/s); CPU time "
-          f"{med_cpu:.2f} s = {n_spans / med_cpu / 1e6:.2f} M span rows per CPU-second "
-          f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs: other processes "
-          "share the machine)")
+    _, ours = _run_child("kvscope", store)  # warm-up, and the answers compared
+    _, theirs = duck()
+    bad = _same_outputs(ours, theirs)
+    if bad:
+        raise SystemExit("kvscope and DuckDB differ:\n  " + "\n  ".join(bad))
+    print(f"1. analyzer vs DuckDB from Parquet, whole process: same outputs checked "
+          f"({ours['requests']:,} requests, {ours['violations']} violations, "
+          f"{ours['derived']} derived; load average {load_average()})")
+    k_s, d_s, w_s = [], [], []
+    for i in range(pairs):
+        order = (("k", "d", "w") if i % 2 == 0 else ("w", "d", "k"))
+        for who in order:
+            if who == "k":
+                k_s.append(_run_child("kvscope", store)[0])
+            elif who == "w":
+                secs, whole = _run_child("kvscope-whole", store)
+                if whole != ours:
+                    raise SystemExit("kvscope's whole read and projected read differ")
+                w_s.append(secs)
+            else:
+                d_s.append(duck()[0])
+    _ratio_line(d_s, k_s, n_spans)
+    print("  the same analysis reading every span column and row (as before projection): "
+          f"median {statistics.median(w_s):.2f} s = "
+          f"{n_spans / statistics.median(w_s) / 1e6:.2f} M span rows/s; projected/whole "
+          f"per-run median {statistics.median(k_s) / statistics.median(w_s):.2f}x")
+    print(f"  load average after: {load_average()}")
 
-    sub_req, sub_spans = _subsample(requests, spans, args.subsample)
+
+def _measure_full(store: Path, n_spans: int, reps: int) -> None:
+    if reps < 1:
+        return
+    secs = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "kvscope.cli", "analyze", str(store), "--format",
+                        "json", "-o", os.devnull], check=True, cwd=ROOT,
+                       stderr=subprocess.DEVNULL)
+        secs.append(time.perf_counter() - t0)
+    med = statistics.median(secs)
+    print(f"2. kvscope analyze RUN --format json, whole process (the full report): "
+          f"{', '.join(f'{s:.1f}' for s in secs)} s, median {med:.1f} s = "
+          f"{n_spans / med / 1e6:.2f} M span rows/s (load average {load_average()})")
+
+
+def _measure_loop(store: Path, n: int, pairs: int) -> None:
+    from agent.runstore import open_run
+
+    s = open_run(store, tables=("requests", "spans"))
+    requests, spans = s.requests, s.spans
+    sub_req, sub_spans = _subsample(requests, spans, n)
+    del s, requests, spans
     _same_answers(vectorised(sub_req, sub_spans), python_analysis(sub_req, sub_spans))
     vec_t, py_t = [], []
-    for _ in range(args.pairs):
-        vec_t.append(_timed(vectorised, sub_req, sub_spans)[2])
-        py_t.append(_timed(python_analysis, sub_req, sub_spans)[2])
-    ratios = sorted(p / v for p, v in zip(py_t, vec_t, strict=True))
-    print(f"subsample of {len(sub_req):,} requests ({len(sub_spans):,} span rows), same answers "
-          f"checked: per-request Python median {statistics.median(py_t):.2f} CPU-s vs "
-          f"vectorised {statistics.median(vec_t):.3f} CPU-s over {args.pairs} interleaved pairs "
-          "-> speedup "
-          f"{statistics.median(ratios):.1f}x (range {ratios[0]:.1f}x-{ratios[-1]:.1f}x), "
-          "measured on this subsample")
-    print(f"per-request Python extrapolated linearly to the whole store: about "
-          f"{statistics.median(py_t) * len(requests) / len(sub_req):.0f} CPU-s "
-          f"(vs {med_cpu:.1f} CPU-s measured for the vectorised analysis)")
+    for i in range(pairs):
+        if i % 2 == 0:
+            vec_t.append(_timed(vectorised, sub_req, sub_spans)[2])
+            py_t.append(_timed(python_analysis, sub_req, sub_spans)[2])
+        else:
+            py_t.append(_timed(python_analysis, sub_req, sub_spans)[2])
+            vec_t.append(_timed(vectorised, sub_req, sub_spans)[2])
+    ratios = [p / v for p, v in zip(py_t, vec_t, strict=True)]
+    lo, hi, cov = median_interval(ratios)
+    print(f"3. vectorised vs per-request Python loop, {len(sub_req):,} requests "
+          f"({len(sub_spans):,} span rows), same answers checked, CPU time: loop median "
+          f"{statistics.median(py_t):.3f} s, vectorised median {statistics.median(vec_t):.4f} s;"
+          f" loop/vectorised per-pair median {statistics.median(ratios):.1f}x "
+          f"[{lo:.1f}x, {hi:.1f}x] ({cov:.0%} interval, {pairs} pairs; load average "
+          f"{load_average()})")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

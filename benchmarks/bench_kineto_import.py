@@ -1,21 +1,38 @@
 """Kineto import speed: kvscope's importer vs Holistic Trace Analysis' loader, same file, same run.
 
-    .venv/bin/python benchmarks/bench_kineto_import.py [--repeats 15] [--trace PATH]
+    .venv/bin/python benchmarks/bench_kineto_import.py [--repeats 7] [--trace PATH ...]
+        [--make-trace N] [--mode both|process|inproc] [--no-shared]
 
-Runs the two loaders alternately (HTA, kvscope, HTA, kvscope, …) after one warm-up each, so
-machine noise hits both alike, and prints the median of each, the ratio of medians, and the
-median and spread of the per-pair ratios. Target: kvscope ≥ 3× faster.
+Baseline: HTA's ``TraceAnalysis(trace_dir=...)`` (it parses the trace into its per-rank
+DataFrames) against kvscope's ``analyzers.importers.load`` (it parses the trace into its spans,
+requests and summary). Two measures per trace:
 
-HTA (PyPI `HolisticTraceAnalysis`) pulls in Jupyter, so it belongs in a benchmark-only extra;
-without it (or without ../shared/data) the benchmark says why and exits 0.
+- *whole process*: a fresh ``python -c`` per load (interpreter start, imports, parse, frames),
+  the figure issue 23 asks for;
+- *in process*: the load alone, in this process, after one warm-up of each.
+
+The two loaders run alternately (HTA, kvscope, HTA, kvscope, …), so machine noise hits both
+alike. Printed per trace and measure: the median of each, and the median of the per-pair
+ratios (HTA / kvscope) with a distribution-free interval for it (order statistics of the
+pairs; its coverage is printed), plus the load average before and after. Goal: ≥ 5× whole
+process on large traces.
+
+Traces: the shared small ones (``../shared/data/kineto``), every ``--trace``, and with
+``--make-trace N`` the trace that ``kvscope run --profile -n N`` writes for a real run of our
+engine (N = 8 gives about 34 MB of JSON, 16 about 63 MB on this machine).
+
+HTA (PyPI ``HolisticTraceAnalysis``, the ``bench`` extra: ``pip install -e '.[bench]'``) pulls
+in Jupyter; without it (or without any trace) the benchmark says why and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -23,29 +40,25 @@ from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_TRACE = REPO.parent / "shared" / "data" / "kineto" / "sampled_rank-0.json.gz"
+SHARED = REPO.parent / "shared" / "data" / "kineto"
+SHARED_TRACES = ("sampled_rank-0.json.gz", "benchmark_result_2869224_1695835535_trace.json.gz")
+
+_OURS_PROC = ("import sys; sys.path.insert(0, sys.argv[2]); from pathlib import Path; "
+              "from analyzers.importers import load; load(Path(sys.argv[1]))")
+_HTA_PROC = ("import logging, sys; logging.disable(logging.WARNING); "
+             "from hta.trace_analysis import TraceAnalysis; TraceAnalysis(trace_dir=sys.argv[1])")
 
 
-def _hta_loader(trace: Path, workdir: Path) -> Callable[[], object]:
-    # HTA reads a directory of per-rank traces; a symlink keeps the bytes identical.
-    link = workdir / trace.name
+def _hta_dir(trace: Path, workdir: Path) -> Path:
+    """A directory holding only `trace` (HTA reads a directory of per-rank traces); a symlink
+    keeps the bytes identical."""
+    d = workdir / f"hta-{abs(hash(str(trace)))}"
+    d.mkdir(exist_ok=True)
+    suffix = ".json.gz" if trace.name.endswith(".gz") else ".json"
+    link = d / f"rank-0{suffix}"
     if not link.exists():
-        os.symlink(trace, link)
-    from hta.trace_analysis import TraceAnalysis
-
-    def run() -> object:
-        return TraceAnalysis(trace_dir=str(workdir))
-
-    return run
-
-
-def _ours(trace: Path) -> Callable[[], object]:
-    from analyzers.importers import load
-
-    def run() -> object:
-        return load(trace)
-
-    return run
+        os.symlink(trace.resolve(), link)
+    return d
 
 
 def _time(fn: Callable[[], object]) -> float:
@@ -54,52 +67,114 @@ def _time(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
+def _proc(argv: list[str]) -> Callable[[], object]:
+    def run() -> object:
+        return subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
+
+    return run
+
+
+def median_interval(values: list[float], conf: float = 0.95) -> tuple[float, float, float]:
+    """(low, high, coverage): the order-statistics interval for the median of `values` with
+    coverage >= `conf` when the sample allows it, else the full range and its coverage."""
+    v = sorted(values)
+    n = len(v)
+
+    def cover(k: int) -> float:  # P(x_(k) <= median <= x_(n-k+1)), k 1-based
+        return 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2 ** n
+
+    k = 1
+    while k + 1 <= n // 2 and cover(k + 1) >= conf:
+        k += 1
+    return v[k - 1], v[n - k], cover(k)
+
+
+def _pairs(a: Callable[[], object], b: Callable[[], object], repeats: int
+           ) -> tuple[list[float], list[float]]:
+    ta, tb = [], []
+    for _ in range(repeats):
+        ta.append(_time(a))
+        tb.append(_time(b))
+    return ta, tb
+
+
+def _report(label: str, hta_s: list[float], ours_s: list[float]) -> float:
+    ratios = [h / o for h, o in zip(hta_s, ours_s, strict=True)]
+    lo, hi, cov = median_interval(ratios)
+    med = statistics.median(ratios)
+    print(f"  {label:13s}: HTA median {statistics.median(hta_s) * 1e3:8.1f} ms, kvscope median "
+          f"{statistics.median(ours_s) * 1e3:8.1f} ms; HTA/kvscope per-pair median {med:.1f}x "
+          f"[{lo:.1f}x, {hi:.1f}x] ({cov:.0%} interval, {len(ratios)} pairs)")
+    return med
+
+
+def _make_trace(n: int, workdir: Path) -> Path:
+    out = workdir / f"run-profile-{n}"
+    subprocess.run([sys.executable, "-m", "kvscope.cli", "run", "--profile", "-n", str(n),
+                    "--out", str(out)], check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+    return out / "profile" / "torch_trace.json"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=15, help="timed pairs (default 15)")
-    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Kineto .json(.gz)")
+    ap.add_argument("--repeats", type=int, default=7, help="timed pairs per measure (default 7)")
+    ap.add_argument("--trace", type=Path, action="append", default=[],
+                    help="a Kineto .json(.gz) (repeatable)")
+    ap.add_argument("--make-trace", type=int, action="append", default=[], metavar="N",
+                    help="also benchmark the trace of `kvscope run --profile -n N` (repeatable)")
+    ap.add_argument("--mode", choices=("both", "process", "inproc"), default="both")
+    ap.add_argument("--no-shared", action="store_true", help="skip the shared small traces")
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
-    if not args.trace.exists():
-        print(f"skip: trace not found ({args.trace}); ../shared/data is absent")
-        return 0
     try:
         import hta  # noqa: F401
     except ImportError:
         print("skip: HolisticTraceAnalysis not installed "
-              "(pip install HolisticTraceAnalysis; benchmark-only extra)")
+              "(pip install -e '.[bench]': the benchmark-only extra)")
         return 0
     logging.disable(logging.WARNING)  # HTA logs every parse at INFO/WARNING
-    return _run(args.trace, args.repeats)
-
-
-def _run(trace: Path, repeats: int) -> int:
-    try:
-        import orjson  # noqa: F401
-
-        parser = "orjson"
-    except ImportError:
-        parser = "json (orjson not installed)"
     with tempfile.TemporaryDirectory(prefix="kvscope-bench-hta-") as d:
-        hta_run = _hta_loader(trace, Path(d))
-        ours_run = _ours(trace)
-        _time(hta_run)  # warm-up: imports, caches
-        _time(ours_run)
-        hta_s, ours_s = [], []
-        for _ in range(repeats):
-            hta_s.append(_time(hta_run))
-            ours_s.append(_time(ours_run))
-    ratios = sorted(h / o for h, o in zip(hta_s, ours_s, strict=True))
-    mh, mo = statistics.median(hta_s), statistics.median(ours_s)
-    lo, hi = ratios[len(ratios) // 10], ratios[-1 - len(ratios) // 10]
-    print(f"trace: {trace} ({trace.stat().st_size:,} bytes), {repeats} interleaved pairs, "
-          f"kvscope parser: {parser}")
-    print(f"HTA TraceAnalysis load : median {mh * 1e3:8.1f} ms  (min {min(hta_s) * 1e3:.1f})")
-    print(f"kvscope importers.load : median {mo * 1e3:8.1f} ms  (min {min(ours_s) * 1e3:.1f})")
-    print(f"speed-up (ratio of medians): {mh / mo:.1f}x; per-pair ratio median "
-          f"{statistics.median(ratios):.1f}x, 10-90% range {lo:.1f}x-{hi:.1f}x; target >= 3x")
+        work = Path(d)
+        traces = [] if args.no_shared else [SHARED / t for t in SHARED_TRACES
+                                             if (SHARED / t).exists()]
+        traces += args.trace
+        traces += [_make_trace(n, work) for n in args.make_trace]
+        if not traces:
+            print("skip: no trace (../shared/data is absent and none was given)")
+            return 0
+        print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} "
+              f"on {os.cpu_count()} CPUs")
+        for trace in traces:
+            _bench(trace, work, args.repeats, args.mode)
+        print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
+
+
+def _bench(trace: Path, work: Path, repeats: int, mode: str) -> None:
+    from analyzers.importers import kineto, load
+
+    hdir = _hta_dir(trace, work)
+    parser = "msgspec typed decode" if kineto.msgspec is not None else "orjson/json"
+    print(f"trace: {trace} ({trace.stat().st_size:,} bytes), kvscope parser: {parser}")
+    if mode in ("both", "process"):
+        hta_p = _proc([sys.executable, "-c", _HTA_PROC, str(hdir)])
+        ours_p = _proc([sys.executable, "-c", _OURS_PROC, str(trace), str(REPO)])
+        _time(hta_p)  # warm-up: page cache
+        _time(ours_p)
+        _report("whole process", *_pairs(hta_p, ours_p, repeats))
+    if mode in ("both", "inproc"):
+        from hta.trace_analysis import TraceAnalysis
+
+        def hta_i() -> object:
+            return TraceAnalysis(trace_dir=str(hdir))
+
+        def ours_i() -> object:
+            return load(trace)
+
+        _time(hta_i)
+        _time(ours_i)
+        _report("in process", *_pairs(hta_i, ours_i, repeats))
 
 
 if __name__ == "__main__":

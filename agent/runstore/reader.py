@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -158,17 +159,20 @@ def _alive_since(pid: int, created_ns: Any) -> bool:
 
 def to_pandas(table: pa.Table, schema: pa.Schema) -> pd.DataFrame:
     """`table` as a DataFrame: nullable integer columns as pandas `Int64`/`Int32` (a float64
-    would round epoch ns), non-nullable ones as plain numpy integers."""
+    would round epoch ns), non-nullable ones as plain numpy integers. Columns come in `schema`'s
+    order; a table read with a projection (`open_run(columns=...)`) gives only its own."""
     import pandas as pd
 
-    nullable_ints = [f.name for f in schema if f.nullable and pa.types.is_integer(f.type)]
+    present = set(table.column_names)
+    nullable_ints = [f.name for f in schema
+                     if f.name in present and f.nullable and pa.types.is_integer(f.type)]
     # Convert the nullable integer columns once, with their own mapper (converting them with
     # the rest first would go through float64 and lose the exact values).
     df = table.drop_columns(nullable_ints).to_pandas()
     mapper = {pa.int64(): pd.Int64Dtype(), pa.int32(): pd.Int32Dtype()}.get
     for name in nullable_ints:
         df[name] = table[name].to_pandas(types_mapper=mapper)
-    return df[list(schema.names)]
+    return df[[n for n in schema.names if n in present]]
 
 
 def read_meta(path: Path) -> dict[str, Any]:
@@ -427,8 +431,25 @@ def _conform(tbl: pa.Table, schema: pa.Schema, where: Path) -> pa.Table:
 
 
 def read_table(path: Path, name: str, gaps: list[str], version: int = SCHEMA_VERSION,
-               meta: dict[str, Any] | None = None) -> tuple[pa.Table, list[int]]:
+               meta: dict[str, Any] | None = None, *, columns: Sequence[str] | None = None,
+               row_filter: Any = None) -> tuple[pa.Table, list[int]]:
+    """Read every part of table `name`, upgraded to the current schema and checked.
+
+    Args:
+        columns: read only these columns (in the schema's order; default all). Parquet reads
+            only their column chunks.
+        row_filter: keep only the rows this predicate holds for, pushed into the Parquet read
+            (a `pyarrow.compute.Expression` or pyarrow's DNF list, as
+            `pyarrow.parquet.read_table` takes it).
+    """
     schema = TABLES[name]
+    if columns is not None:
+        unknown = [c for c in columns if c not in schema.names]
+        if unknown:
+            raise ValueError(f"{name}: unknown column(s) {unknown}; expected some of "
+                             f"{schema.names}")
+        wanted = set(columns)
+        schema = pa.schema([f for f in schema if f.name in wanted])
     d = path / name
     if not d.is_dir():
         return schema.empty_table(), []
@@ -446,13 +467,28 @@ def read_table(path: Path, name: str, gaps: list[str], version: int = SCHEMA_VER
     tables = []
     for _, p in parts:
         try:
-            t = pq.read_table(p)
+            t = _read_part(p, name, schema, version, row_filter) if (
+                columns is not None or row_filter is not None) else pq.read_table(p)
         except (pa.ArrowException, OSError) as exc:
             raise InputError(f"{p}: unreadable Parquet part ({exc})") from None
         tables.append(_conform(upgrade(t, name, version, meta), schema, p))
     if not tables:
         return schema.empty_table(), seqs
     return pa.concat_tables(tables), seqs
+
+
+def _read_part(p: Path, name: str, schema: pa.Schema, version: int, row_filter: Any
+               ) -> pa.Table:
+    """One part, projected to `schema`'s columns (those the part has, plus what `upgrade`
+    needs to recompute them) and filtered. String columns are decoded as Parquet stores them,
+    dictionary-encoded, so that the filter runs on codes and only the rows kept are turned
+    into strings (`_conform` casts them back: the result is the same)."""
+    have = set(pq.read_schema(p).names)
+    want = [c for c in schema.names if c in have]
+    if version < 2 and name == "requests" and "lookup_tokens" in want and "prompt_tokens" in have:
+        want.append("prompt_tokens")  # a version-1 lookup_tokens is recomputed from it
+    strings = [c for c in want if pa.types.is_string(TABLES[name].field(c).type)]
+    return pq.read_table(p, columns=want, filters=row_filter, read_dictionary=strings)
 
 
 #: The tables a reader of the whole run requires unless it says: the TTFT breakdown cannot
@@ -482,7 +518,9 @@ def _missing_table(path: Path, name: str, meta: dict[str, Any], seqs: list[int])
 
 
 def open_run(path: str | os.PathLike[str], tables: tuple[str, ...] | None = None, *,
-             require: tuple[str, ...] | None = None) -> RunStore:
+             require: tuple[str, ...] | None = None,
+             columns: Mapping[str, Sequence[str]] | None = None,
+             filters: Mapping[str, Any] | None = None) -> RunStore:
     """Read a run directory: the one validation of run.json (`validate_meta`) and of the
     tables (schemas, gaps, missing tables) that every command reading a run shares. Raises
     `InputError` naming the file at fault.
@@ -496,11 +534,24 @@ def open_run(path: str | os.PathLike[str], tables: tuple[str, ...] | None = None
         tables: which tables to read (default all); the others are empty.
         require: the tables the caller cannot do without (default: `tables` when given,
             else `DEFAULT_REQUIRED`, the spans).
+        columns: table → the columns to read of it (projection: Parquet reads only those
+            column chunks, and the table and its frame hold only those, in the schema's
+            order); tables not named are read whole. Default: every column.
+        filters: table → a row predicate pushed into the Parquet read (a
+            `pyarrow.compute.Expression`, e.g. ``pc.field("kind") != "step"``, or pyarrow's
+            DNF list such as ``[("kind", "in", ["state", "activity"])]``); only the rows it
+            holds for are read. Gaps and missing tables are judged on the parts, not the
+            rows kept. Default: every row.
     """
     if tables is not None:
         unknown = [t for t in tables if t not in TABLES]
         if unknown:
             raise ValueError(f"unknown run-store table(s) {unknown}; expected some of "
+                             f"{list(TABLES)}")
+    for what, given in (("columns", columns), ("filters", filters)):
+        unknown = [t for t in (given or {}) if t not in TABLES]
+        if unknown:
+            raise ValueError(f"{what}: unknown run-store table(s) {unknown}; expected some of "
                              f"{list(TABLES)}")
     if require is None:
         require = tables if tables is not None else DEFAULT_REQUIRED
@@ -514,7 +565,10 @@ def open_run(path: str | os.PathLike[str], tables: tuple[str, ...] | None = None
         if tables is not None and name not in tables:
             out[name] = schema.empty_table()
             continue
-        out[name], seqs[name] = read_table(p, name, gaps, meta["schema_version"], meta)
+        out[name], seqs[name] = read_table(
+            p, name, gaps, meta["schema_version"], meta,
+            columns=None if columns is None else columns.get(name),
+            row_filter=None if filters is None else filters.get(name))
         why = _missing_table(p, name, meta, seqs[name])
         if why is not None:
             missing[name] = why

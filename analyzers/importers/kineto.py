@@ -21,19 +21,32 @@
   is an InputError ``<file>: traceEvents[<i>]: <field>: ...``, never a traceback or a 0.
 
 Times: ``ts``/``dur`` are µs floats; epoch ns = ``baseTimeNanoseconds`` + ts·1000 when the trace
-has a base, else ts is already epoch µs. Parsing is the cost that matters: orjson when installed,
-then one pass collecting a few columns into numpy arrays, vectorised from there.
+has a base, else ts is already epoch µs. Parsing is the cost that matters: with msgspec installed
+(the ``analysis`` extra) a typed decode reads only the fields used — ``ph, cat, name, ts, dur,
+id`` and the few ``args`` that copies and annotations need, kept as raw JSON until then — and
+checks them in bulk; a trace that decode refuses (bad JSON, a field of another type, a number out
+of range) is read again by the general path (orjson, or the standard library), which names the
+first field at fault exactly as before. Either way the result is the same `_Events`, vectorised
+from there.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+try:  # the typed decode (the `analysis` extra); without it the general path reads every trace
+    import msgspec
+except ImportError:  # pragma: no cover - exercised where msgspec is absent
+    msgspec = None  # type: ignore[assignment]
 
 from agent.errors import InputError
 from agent.schema import STATES, STEP_PHASES
@@ -72,6 +85,8 @@ CATEGORIES = {
     "runtime": "cuda_runtime", "cuda_sync": "cuda_sync", "cpu_op": "cpu_op",
     "operator": "cpu_op", "user_annotation": "user_annotation",
 }
+#: the category read → its code in `_Events.cats` (0: a category the importer does not read)
+_CAT_CODE = {c: i + 1 for i, c in enumerate(sorted(set(CATEGORIES.values())))}
 
 
 @dataclass(slots=True)
@@ -100,12 +115,20 @@ def read_trace(path: str | os.PathLike[str]) -> KinetoTrace:
             a `baseTimeNanoseconds` that is not an integer.
     """
     p = Path(path)
-    doc = parse_json(read_bytes(p), p)
+    return _parse_trace(read_bytes(p), p)
+
+
+def _parse_trace(data: bytes, p: Path) -> KinetoTrace:
+    doc = parse_json(data, p)
     if isinstance(doc, list):  # the JSON Array Format
         doc = {"traceEvents": doc}
     if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
         raise InputError(f"{p}: no 'traceEvents' list (not a Chrome/Kineto trace)")
-    base = doc.get("baseTimeNanoseconds")
+    return KinetoTrace(doc["traceEvents"], _base_ns(doc.get("baseTimeNanoseconds"), p))
+
+
+def _base_ns(base: Any, p: Path) -> int | None:
+    """`baseTimeNanoseconds` as an int, checked (InputError when it is not one in range)."""
     if base is not None:
         if isinstance(base, bool) or not isinstance(base, int | float | str):
             raise InputError(f"{p}: baseTimeNanoseconds must be an integer, got {base!r}")
@@ -117,7 +140,7 @@ def read_trace(path: str | os.PathLike[str]) -> KinetoTrace:
         if not 0 <= base <= TIME_NS_MAX:
             raise InputError(f"{p}: baseTimeNanoseconds {base} is out of range (0 .. "
                              f"{TIME_NS_MAX})")
-    return KinetoTrace(doc["traceEvents"], base)
+    return base
 
 
 def load_kineto(path: Path) -> ImportedRun:
@@ -132,14 +155,12 @@ def load_kineto(path: Path) -> ImportedRun:
         InputError: as `read_trace`, and for an event whose fields are not what the Chrome
             trace format says (``<file>: traceEvents[<i>]: <field>: ...``).
     """
-    trace = read_trace(path)
-    events: list[Any] = trace.events
-    base = trace.base_ns
+    ev, base = read_events(path)
     run = ImportedRun.empty("kineto", path)
-    ev = _columns(events, path, base or 0)
+    n_events = len(ev.complete)
 
     def pick(cat: str) -> np.ndarray:
-        return np.flatnonzero(ev.complete & (ev.cats == cat))
+        return np.flatnonzero(ev.complete & (ev.cats == _CAT_CODE[cat]))
 
     def times(idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         start = us_to_ns(ev.ts[idx])
@@ -147,10 +168,10 @@ def load_kineto(path: Path) -> ImportedRun:
             start = start + int(base)
         return start, start + us_to_ns(ev.dur[idx])
 
-    if not len(events):
+    if not n_events:
         run.cannot.append("everything: the trace holds no events (nothing to import)")
     elif not ev.complete.any():
-        run.cannot.append(f"durations: none of the {len(events)} event(s) is a complete "
+        run.cannot.append(f"durations: none of the {n_events} event(s) is a complete "
                           "(ph X) event, so there are no kernels, copies or ranges to read")
     if base is None and ev.complete.any() and float(ev.ts[ev.complete][0]) < _EPOCH_FLOOR_US:
         run.cannot.append("epoch times: no baseTimeNanoseconds and ts is not epoch µs; "
@@ -168,13 +189,13 @@ def load_kineto(path: Path) -> ImportedRun:
 
     copies = pick("gpu_memcpy")
     run.summary = {
-        "events": len(events),
+        "events": n_events,
         "kernels": total("kernel"),
         "cuda_sync": total("cuda_sync"),
         "cuda_runtime": total("cuda_runtime"),
         "gpu_memset": total("gpu_memset"),
         "memcpy": _copies(copies, ev, times, path),
-        "flows": _flows(events, ev, path),
+        "flows": ev.flows(),
         "base_time_ns": base,
         "categories": dict(sorted(ev.spelled.items())),
     }
@@ -185,7 +206,7 @@ def load_kineto(path: Path) -> ImportedRun:
     if k["count"]:
         run.can.append(f"kernel summary: {k['count']:,} kernels, {fmt_ns(k['total_ns'])} "
                        "on the GPU")
-    elif len(events):
+    elif n_events:
         run.cannot.append("kernel summary: no kernel events (cat `kernel`) in this trace")
     return run
 
@@ -194,14 +215,38 @@ def load_kineto(path: Path) -> ImportedRun:
 class _Events:
     """The fields of every event the importer reads, validated once."""
 
-    cats: np.ndarray  # the category read (CATEGORIES' value), or "" for others
+    cats: np.ndarray  # int8: `_CAT_CODE` of the category read, 0 for others
     complete: np.ndarray  # ph == "X"
-    phs: list[str]
-    names: list[str]
-    args: list[dict[str, Any]]
+    names: Sequence[str | None]  # None (or "") where absent
+    args: Sequence[Mapping[str, Any]]  # {} where absent; read only for copies and annotations
     ts: np.ndarray  # µs, NaN where absent
     dur: np.ndarray  # µs, 0 where absent
     spelled: dict[str, int]  # each `cat` spelling we read → its event count
+    #: the `flows` summary (starts, finishes, finishes_without_start), computed when asked
+    #: for: after the copies, so that a bad copy is reported before a bad flow id, as ever
+    flows: Callable[[], dict[str, int]]
+
+    def name(self, i: int) -> str:
+        return self.names[i] or ""
+
+
+def read_events(path: Path) -> tuple[_Events, int | None]:
+    """The checked columns of a trace's events and its `baseTimeNanoseconds`.
+
+    The typed decode (`_fast_events`) when msgspec is installed and the trace passes its
+    checks; otherwise the general path (`read_trace` + `_columns`), which gives the same
+    `_Events` for every trace it accepts and names the first field at fault for the others.
+
+    Raises:
+        InputError: as `read_trace` and `_columns`.
+    """
+    data = read_bytes(path)
+    if msgspec is not None:
+        fast = _fast_events(data, path)
+        if fast is not None:
+            return fast
+    trace = _parse_trace(data, path)
+    return _columns(trace.events, path, trace.base_ns or 0), trace.base_ns
 
 
 def _columns(events: list[Any], path: Path, base: int) -> _Events:
@@ -213,7 +258,7 @@ def _columns(events: list[Any], path: Path, base: int) -> _Events:
             ts/dur that is not a finite number (dur: >= 0) within int64 ns.
     """
     n = len(events)
-    cats = np.full(n, "", dtype=object)
+    cats = np.zeros(n, dtype=np.int8)
     complete = np.zeros(n, dtype=bool)
     phs: list[str] = [""] * n
     names: list[str] = [""] * n
@@ -236,7 +281,7 @@ def _columns(events: list[Any], path: Path, base: int) -> _Events:
                 raise field_error(path, rec, "cat", f"expected a string, got {shown(cat)}")
             read = CATEGORIES.get(cat.lower())
             if read is not None:
-                cats[i] = read
+                cats[i] = _CAT_CODE[read]
                 spelled[cat] = spelled.get(cat, 0) + 1
         name = e.get("name")
         if name is not None:
@@ -267,7 +312,135 @@ def _columns(events: list[Any], path: Path, base: int) -> _Events:
             raise field_error(path, f"traceEvents[{i}]", "ts",
                               f"{events[i]['ts']!r} µs + dur + baseTimeNanoseconds is beyond "
                               "int64 ns")
-    return _Events(cats, complete, phs, names, args, ts, dur, spelled)
+    return _Events(cats, complete, names, args, ts, dur, spelled,
+                   lambda: _flows(events, phs, path))
+
+
+# ---------------------------------------------------------------------------------------------
+# The typed decode: only the fields read, `args` kept as raw JSON but for the keys copies and
+# annotations read, each field's JSON type checked by the decoder and the numbers in bulk.
+# ---------------------------------------------------------------------------------------------
+
+#: `args` keys the importer reads (attribute → key): copies' bytes and correlation, the request
+#: of a bare ``kvscope.<stage>`` range.
+_ARG_KEYS: tuple[tuple[str, str], ...] = (
+    ("bytes", "bytes"), ("correlation", "correlation"), ("request_num", "request_num"),
+    ("request_id", "request_id"), ("kvscope_request_num", "kvscope.request_num"),
+    ("concrete_inputs", "Concrete Inputs"),
+)
+
+if msgspec is not None:
+    class _Args(msgspec.Struct, gc=False):
+        """An event's `args`: the keys read, each left as raw JSON (decoded when read)."""
+
+        bytes: msgspec.Raw = None  # type: ignore[assignment]
+        correlation: msgspec.Raw = None  # type: ignore[assignment]
+        request_num: msgspec.Raw = None  # type: ignore[assignment]
+        request_id: msgspec.Raw = None  # type: ignore[assignment]
+        kvscope_request_num: msgspec.Raw = msgspec.field(  # type: ignore[assignment]
+            default=None, name="kvscope.request_num")
+        concrete_inputs: msgspec.Raw = msgspec.field(  # type: ignore[assignment]
+            default=None, name="Concrete Inputs")
+
+    class _Event(msgspec.Struct, gc=False):
+        ph: str
+        cat: str | None = None
+        name: str | None = None
+        ts: float | None = None
+        dur: float | None = None
+        id: str | int | float | None = None
+        args: _Args | None = None
+
+    class _Doc(msgspec.Struct, gc=False):
+        traceEvents: list[_Event]  # the format's keys
+        baseTimeNanoseconds: int | None = None
+
+    _DECODER = msgspec.json.Decoder(_Doc | list[_Event])
+
+
+class _LazyArgs(Sequence[Mapping[str, Any]]):
+    """`args` of the decoded events as dicts of the keys read, decoded on access."""
+
+    def __init__(self, events: list[Any]) -> None:
+        self._events = events
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+    def __getitem__(self, i: int) -> Mapping[str, Any]:  # type: ignore[override]
+        a = self._events[i].args
+        if a is None:
+            return {}
+        return {key: msgspec.json.decode(raw) for attr, key in _ARG_KEYS
+                if (raw := getattr(a, attr)) is not None}
+
+
+def _fast_events(data: bytes, path: Path) -> tuple[_Events, int | None] | None:
+    """`_Events` through the typed decode, or None when the trace fails any check there (the
+    general path then reads it, and names what is wrong, or reads what the decoder's types
+    do not cover)."""
+    if data.startswith(b"\xef\xbb\xbf"):
+        data = data[3:]
+    try:
+        doc = _DECODER.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None
+    if isinstance(doc, list):
+        events, base = doc, None
+    else:
+        events, base = doc.traceEvents, doc.baseTimeNanoseconds
+        if base is not None and not 0 <= base <= TIME_NS_MAX:
+            return None
+    n = len(events)
+    phs = list(map(attrgetter("ph"), events))
+    complete = np.fromiter(map("X".__eq__, phs), dtype=bool, count=n)
+    ts = np.array(list(map(attrgetter("ts"), events)), dtype=np.float64)  # None → NaN
+    dur = np.array(list(map(attrgetter("dur"), events)), dtype=np.float64)
+    ts_c, dur_c = ts[complete], dur[complete]
+    with np.errstate(invalid="ignore"):
+        present = ~np.isnan(ts)
+        if (np.isnan(ts_c).any() or np.isnan(dur_c).any()
+                or (np.abs(ts[present]) > _US_MAX).any()
+                or (dur_c < 0).any() or (dur_c > _US_MAX).any()):
+            return None  # a missing or out-of-range ts/dur: the general path names it
+    if len(ts_c):
+        end = (base or 0) + ts_c * 1000 + dur_c * 1000
+        if ((end > TIME_NS_MAX) | (end < -TIME_NS_MAX)).any():
+            return None
+    dur = np.where(complete, dur, 0.0)
+
+    raw_cats = list(map(attrgetter("cat"), events))
+    counts = Counter(raw_cats)
+    code_of: dict[str | None, int] = {None: 0}
+    spelled: dict[str, int] = {}
+    for c, k in counts.items():
+        if c is None:
+            continue
+        read = CATEGORIES.get(c.lower())
+        code_of[c] = 0 if read is None else _CAT_CODE[read]
+        if read is not None:
+            spelled[c] = k
+    cats = np.fromiter(map(code_of.__getitem__, raw_cats), dtype=np.int8, count=n)
+
+    names = list(map(attrgetter("name"), events))
+    return _Events(cats, complete, names, _LazyArgs(events), ts, dur, spelled,
+                   lambda: _fast_flows(events, phs)), base
+
+
+def _fast_flows(events: list[Any], phs: list[str]) -> dict[str, int]:
+    """`_flows` over decoded events (their ids were typed by the decoder: nothing to check)."""
+    n = len(phs)
+    idx_s = np.flatnonzero(np.fromiter(map("s".__eq__, phs), dtype=bool, count=n))
+    idx_f = np.flatnonzero(np.fromiter(map("f".__eq__, phs), dtype=bool, count=n))
+
+    def key(i: int) -> tuple[str | None, Any]:
+        e = events[i]
+        return e.cat, e.id
+
+    starts = {key(i) for i in idx_s.tolist()}
+    ends = [key(i) for i in idx_f.tolist()]
+    return {"starts": len(idx_s), "finishes": len(idx_f),
+            "finishes_without_start": sum(1 for k in ends if k not in starts)}
 
 
 def _bytes_of(ev: _Events, i: int, path: Path) -> int | None:
@@ -281,7 +454,7 @@ def _copies(idx: np.ndarray, ev: _Events, times: Any, path: Path) -> dict[str, d
         return {}
     start, end = times(idx)
     # "Memcpy HtoD (Pinned -> Device)" → "HtoD"
-    kinds = np.array([[*ev.names[i].split(), "?", "?"][1] for i in idx], dtype=object)
+    kinds = np.array([[*ev.name(i).split(), "?", "?"][1] for i in idx], dtype=object)
     nb = [_bytes_of(ev, int(i), path) for i in idx]
     has = np.array([b is not None for b in nb], dtype=bool)
     nbytes = np.array([b or 0 for b in nb], dtype=object)  # python ints: sums cannot wrap
@@ -294,7 +467,7 @@ def _copies(idx: np.ndarray, ev: _Events, times: Any, path: Path) -> dict[str, d
     return out
 
 
-def _flows(events: list[Any], ev: _Events, path: Path) -> dict[str, int]:
+def _flows(events: list[Any], phs: list[str], path: Path) -> dict[str, int]:
     def key(i: int) -> tuple[str, Any]:
         fid = events[i].get("id")
         if fid is not None and not isinstance(fid, str) and not (
@@ -303,8 +476,8 @@ def _flows(events: list[Any], ev: _Events, path: Path) -> dict[str, int]:
                               f"expected a string or a number, got {shown(fid)}")
         return events[i].get("cat"), fid
 
-    idx_s = [i for i, p in enumerate(ev.phs) if p == "s"]
-    idx_f = [i for i, p in enumerate(ev.phs) if p == "f"]
+    idx_s = [i for i, p in enumerate(phs) if p == "s"]
+    idx_f = [i for i, p in enumerate(phs) if p == "f"]
     starts = {key(i) for i in idx_s}
     ends = [key(i) for i in idx_f]
     return {"starts": len(idx_s), "finishes": len(idx_f),
@@ -313,7 +486,7 @@ def _flows(events: list[Any], ev: _Events, path: Path) -> dict[str, int]:
 
 def _h2d(run: ImportedRun, copies: np.ndarray, ev: _Events, times: Any) -> None:
     path = run.path
-    h2d = np.array([i for i in copies if ev.names[i].startswith("Memcpy HtoD")], dtype=np.int64)
+    h2d = np.array([i for i in copies if ev.name(i).startswith("Memcpy HtoD")], dtype=np.int64)
     if not len(h2d):
         run.cannot.append("h2d activity: no `Memcpy HtoD` events in this trace")
         return
@@ -354,7 +527,7 @@ def _run_ids(path: Path) -> dict[int, str]:
     return {}
 
 
-def _request_of(args: dict[str, Any], path: Path, rec: str) -> str | None:
+def _request_of(args: Mapping[str, Any], path: Path, rec: str) -> str | None:
     for k in _REQ_KEYS:
         v = args.get(k)
         if v in (None, ""):
@@ -391,12 +564,12 @@ def split_name(name: str) -> tuple[str, int | None]:
 
 def _annotations(run: ImportedRun, ann: np.ndarray, ev: _Events, times: Any,
                  ids: dict[int, str], path: Path) -> None:
-    ours = np.array([i for i in ann if ev.names[i].startswith(PREFIX)], dtype=np.int64)
+    ours = np.array([i for i in ann if ev.name(i).startswith(PREFIX)], dtype=np.int64)
     if not len(ours):
         run.cannot.append(f"TTFT stages: no `{PREFIX}<stage>` user annotations (trace not "
                           "recorded by `kvscope run --profile`)")
         return
-    parsed = [split_name(ev.names[i]) for i in ours]
+    parsed = [split_name(ev.name(i)) for i in ours]
     names = np.array([n for n, _ in parsed], dtype=object)
     payload = [p for _, p in parsed]
     start, end = times(ours)
