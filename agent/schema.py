@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import Literal
-
-import pyarrow as pa
+from typing import Any, Literal
 
 #: Bumped on any incompatible change to a table schema or run.json. Readers accept
 #: `READABLE_SCHEMA_VERSIONS` (older stores are upgraded on read) and refuse any other.
@@ -93,10 +91,6 @@ EVENT_NAMES: tuple[str, ...] = (
 # Run-store tables (docs/DESIGN.md, "The run store")
 # --------------------------------------------------------------------------------------------
 
-_I64 = pa.int64()
-_I32 = pa.int32()
-_STR = pa.string()
-
 #: The accounting columns of the requests table, all int64 and non-negative.
 TOKEN_COLUMNS: tuple[str, ...] = (
     "prompt_tokens",
@@ -125,89 +119,118 @@ BYTE_COLUMNS: tuple[str, ...] = (
 COUNT_COLUMNS: tuple[str, ...] = ("num_preemptions",)
 ACCOUNTING_COLUMNS: tuple[str, ...] = TOKEN_COLUMNS + BYTE_COLUMNS + COUNT_COLUMNS
 
-REQUESTS_SCHEMA = pa.schema(
-    [
-        pa.field("request_id", _STR, nullable=False),
-        pa.field("request_num", _I64, nullable=False),
-        pa.field("tenant", _STR),
-        pa.field("workload_class", _STR),
-        pa.field("arrival_ns", _I64, nullable=False),
-        pa.field("first_token_ns", _I64),  # null when the request failed before its first token
-        pa.field("finish_ns", _I64),
-        pa.field("status", _STR, nullable=False),
-        *(pa.field(c, _I64, nullable=False) for c in ACCOUNTING_COLUMNS),
-        # A digest of the output token ids (hex BLAKE2b-128 over them as little-endian int64):
-        # "faults and tiers change no output" is checked from two run stores with it.
-        pa.field("output_digest", _STR),
-        pa.field("output_token_ids", pa.list_(_I64)),  # only under --record-output-ids
-    ]
-)
+#: The run-store tables' Arrow schemas: built on first use (module `__getattr__`), so what
+#: imports the contract without writing or reading a store (the node agent without --out, the
+#: CLI's help) never imports pyarrow.
+_ARROW_NAMES = frozenset(("REQUESTS_SCHEMA", "SPANS_SCHEMA", "LAYERS_SCHEMA", "SAMPLES_SCHEMA",
+                          "EVENTS_SCHEMA", "TABLES"))
+_arrow: dict[str, Any] = {}
 
-SPANS_SCHEMA = pa.schema(
-    [
-        pa.field("request_id", _STR),  # null for step spans and unattributed activity
-        pa.field("request_num", _I64),
-        pa.field("kind", _STR, nullable=False),
-        pa.field("name", _STR, nullable=False),
-        pa.field("start_ns", _I64, nullable=False),
-        pa.field("end_ns", _I64, nullable=False),
-        pa.field("tier", _STR),
-        pa.field("layer", _I32),
-        pa.field("tokens", _I64),
-        pa.field("bytes", _I64),
-        pa.field("step_id", _I64),
-        pa.field("transfer_id", _I64),
-        pa.field("waits_on", pa.list_(_I64)),
-        pa.field("clock", _STR, nullable=False),
-        pa.field("batch_requests", _I32),  # step spans: requests in the batch
-        pa.field("block", _I32),  # ledger rows: the first chain position (block index) covered
-    ]
-)
 
-LAYERS_SCHEMA = pa.schema(
-    [
-        pa.field("request_id", _STR, nullable=False),
-        pa.field("layer", _I32, nullable=False),
-        pa.field("hit_tokens", _I64, nullable=False),
-        pa.field("loaded_tokens", _I64, nullable=False),
-        pa.field("recomputed_tokens", _I64, nullable=False),
-        pa.field("prompt_tokens", _I64, nullable=False),
-        pa.field("load_ns", _I64, nullable=False),
-        pa.field("wait_ns", _I64, nullable=False),
-        # Prompt tokens outside a sliding-window layer's window: neither read nor recomputed
-        # by that layer (hit + loaded + recomputed + skipped = prompt, per layer).
-        pa.field("skipped_tokens", _I64, nullable=False),
-    ]
-)
+def _arrow_schemas() -> dict[str, Any]:
+    if _arrow:
+        return _arrow
+    import pyarrow as pa
 
-SAMPLES_SCHEMA = pa.schema(
-    [
-        pa.field("ts_ns", _I64, nullable=False),
-        pa.field("source", _STR, nullable=False),
-        pa.field("entity", _STR),
-        pa.field("metric", _STR, nullable=False),
-        pa.field("value", pa.float64(), nullable=False),
-        pa.field("unit", _STR),
-    ]
-)
+    _I64 = pa.int64()
+    _I32 = pa.int32()
+    _STR = pa.string()
 
-EVENTS_SCHEMA = pa.schema(
-    [
-        pa.field("ts_ns", _I64, nullable=False),
-        pa.field("source", _STR, nullable=False),
-        pa.field("name", _STR, nullable=False),
-        pa.field("request_id", _STR),
-        pa.field("detail", _STR),  # JSON text
-    ]
-)
+    REQUESTS_SCHEMA = pa.schema(
+        [
+            pa.field("request_id", _STR, nullable=False),
+            pa.field("request_num", _I64, nullable=False),
+            pa.field("tenant", _STR),
+            pa.field("workload_class", _STR),
+            pa.field("arrival_ns", _I64, nullable=False),
+            pa.field("first_token_ns", _I64),  # null when the request failed before its first token
+            pa.field("finish_ns", _I64),
+            pa.field("status", _STR, nullable=False),
+            *(pa.field(c, _I64, nullable=False) for c in ACCOUNTING_COLUMNS),
+            # A digest of the output token ids (hex BLAKE2b-128 over them as little-endian int64):
+            # "faults and tiers change no output" is checked from two run stores with it.
+            pa.field("output_digest", _STR),
+            pa.field("output_token_ids", pa.list_(_I64)),  # only under --record-output-ids
+        ]
+    )
 
-TABLES: dict[str, pa.Schema] = {
-    "requests": REQUESTS_SCHEMA,
-    "spans": SPANS_SCHEMA,
-    "layers": LAYERS_SCHEMA,
-    "samples": SAMPLES_SCHEMA,
-    "events": EVENTS_SCHEMA,
-}
+    SPANS_SCHEMA = pa.schema(
+        [
+            pa.field("request_id", _STR),  # null for step spans and unattributed activity
+            pa.field("request_num", _I64),
+            pa.field("kind", _STR, nullable=False),
+            pa.field("name", _STR, nullable=False),
+            pa.field("start_ns", _I64, nullable=False),
+            pa.field("end_ns", _I64, nullable=False),
+            pa.field("tier", _STR),
+            pa.field("layer", _I32),
+            pa.field("tokens", _I64),
+            pa.field("bytes", _I64),
+            pa.field("step_id", _I64),
+            pa.field("transfer_id", _I64),
+            pa.field("waits_on", pa.list_(_I64)),
+            pa.field("clock", _STR, nullable=False),
+            pa.field("batch_requests", _I32),  # step spans: requests in the batch
+            pa.field("block", _I32),  # ledger rows: the first chain position (block index) covered
+        ]
+    )
+
+    LAYERS_SCHEMA = pa.schema(
+        [
+            pa.field("request_id", _STR, nullable=False),
+            pa.field("layer", _I32, nullable=False),
+            pa.field("hit_tokens", _I64, nullable=False),
+            pa.field("loaded_tokens", _I64, nullable=False),
+            pa.field("recomputed_tokens", _I64, nullable=False),
+            pa.field("prompt_tokens", _I64, nullable=False),
+            pa.field("load_ns", _I64, nullable=False),
+            pa.field("wait_ns", _I64, nullable=False),
+            # Prompt tokens outside a sliding-window layer's window: neither read nor recomputed
+            # by that layer (hit + loaded + recomputed + skipped = prompt, per layer).
+            pa.field("skipped_tokens", _I64, nullable=False),
+        ]
+    )
+
+    SAMPLES_SCHEMA = pa.schema(
+        [
+            pa.field("ts_ns", _I64, nullable=False),
+            pa.field("source", _STR, nullable=False),
+            pa.field("entity", _STR),
+            pa.field("metric", _STR, nullable=False),
+            pa.field("value", pa.float64(), nullable=False),
+            pa.field("unit", _STR),
+        ]
+    )
+
+    EVENTS_SCHEMA = pa.schema(
+        [
+            pa.field("ts_ns", _I64, nullable=False),
+            pa.field("source", _STR, nullable=False),
+            pa.field("name", _STR, nullable=False),
+            pa.field("request_id", _STR),
+            pa.field("detail", _STR),  # JSON text
+        ]
+    )
+
+    TABLES: dict[str, pa.Schema] = {
+        "requests": REQUESTS_SCHEMA,
+        "spans": SPANS_SCHEMA,
+        "layers": LAYERS_SCHEMA,
+        "samples": SAMPLES_SCHEMA,
+        "events": EVENTS_SCHEMA,
+    }
+
+    _arrow.update(REQUESTS_SCHEMA=REQUESTS_SCHEMA, SPANS_SCHEMA=SPANS_SCHEMA,
+                  LAYERS_SCHEMA=LAYERS_SCHEMA, SAMPLES_SCHEMA=SAMPLES_SCHEMA,
+                  EVENTS_SCHEMA=EVENTS_SCHEMA, TABLES=TABLES)
+    return _arrow
+
+
+def __getattr__(name: str) -> Any:
+    if name in _ARROW_NAMES:
+        return _arrow_schemas()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 #: Required keys of run.json.
 RUN_JSON_KEYS: tuple[str, ...] = ("schema_version", "kvscope_version", "run_id", "clock", "config")

@@ -17,20 +17,22 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import InfoMetricFamily, Metric
 
 from agent.errors import InputError
 from agent.exporters.http import MetricsServer
-from agent.runstore.writer import RunStoreWriter, check_resumable
 from agent.schema import METRICS_BY_NAME, SCHEMA_VERSION
 from collectors.base import BaseCollector, Collection
 from collectors.exposition import CONTENT_TYPE, CollectorExposition, TextRenderer
 from collectors.runner import CollectorRunner, default_collectors
 from kvscope.node.config import SELF_PROCESS, AgentConfig, check_roots
-from kvscope.node.store import StoreSink
+
+if TYPE_CHECKING:
+    from agent.runstore.writer import RunStoreWriter
+    from kvscope.node.store import StoreSink
 
 log = logging.getLogger(__name__)
 #: run.json `config.producer` of an agent's run store (a restart resumes only its own).
@@ -119,6 +121,10 @@ class NodeAgent:
         c = self.config
         if c.out is None or self.writer is not None:
             return
+        # Only an agent with --out pays for numpy and pyarrow (the run store's writer).
+        from agent.runstore.writer import RunStoreWriter
+        from kvscope.node.store import StoreSink
+
         # A restarted agent carries on its own run (part numbers continue, run.json lists the
         # restart), so a crash costs at most one flush interval of samples.
         self.writer = RunStoreWriter(c.out, config=self._run_config(), resume=True)
@@ -139,6 +145,8 @@ class NodeAgent:
         c = self.config
         if c.out is not None and (Path(c.out) / "run.json").exists():
             # Refuse a directory another agent is writing before binding anything.
+            from agent.runstore.writer import check_resumable
+
             check_resumable(c.out, self._run_config())
         try:
             self.httpd = MetricsServer(c.listen_address, c.port, self.render, CONTENT_TYPE)

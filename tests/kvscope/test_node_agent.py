@@ -511,3 +511,21 @@ def test_defaults_and_option_parsing():
     assert parse_size("none") is None
     with pytest.raises(InputError, match="--max-disk-bytes"):
         parse_size("lots")
+
+
+def test_the_daemon_without_a_run_store_never_imports_numpy_or_pyarrow(tmp_path: Path):
+    """An agent without --out serves /metrics only: the run store's writer (numpy, pyarrow:
+    ~50 MiB of RSS) is imported when a store is opened, and then it is."""
+    code = ("import sys\n"
+            "from kvscope.node.config import AgentConfig\n"
+            "from kvscope.node.daemon import NodeAgent\n"
+            "def heavy():\n"
+            "    return sorted(m for m in ('numpy', 'pyarrow') if m in sys.modules)\n"
+            f"a = NodeAgent(AgentConfig(port=0, disable=('nvml',)))\n"
+            "a.start(); a.render(); print(heavy()); a.shutdown()\n"
+            f"b = NodeAgent(AgentConfig(port=0, disable=('nvml',), out={str(tmp_path / 'o')!r}))\n"
+            "b.start(); print(heavy()); b.shutdown()\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split("\n")[:2] == ["[]", "['numpy', 'pyarrow']"], res.stdout
