@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -69,6 +70,11 @@ def test_interrupt_aborts_unfinished_requests() -> None:
     eng = LLMEngine(tiny_config(max_num_seqs=1), recorder=rec)
 
     def stop(_out: object) -> None:
+        # All four arrive at 0 s; on a loaded machine the arrival thread may still be behind
+        # when the first request ends: give it (boundedly) the time to submit two more.
+        deadline = time.monotonic() + 10
+        while rec.open_requests() < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
         raise KeyboardInterrupt
 
     res = RealTimeDriver(eng, _arrivals(4, gap_s=0.0), on_finished=stop).run()
