@@ -320,3 +320,41 @@ def test_eviction_offload_saves_whole_positions_of_every_group() -> None:
     assert again.output_token_ids == _cold(a)
     acct = again.accounting
     assert (acct.device_hit_tokens, acct.host_loaded_tokens) == (0, 144)
+
+
+@pytest.mark.parametrize("host_write, load_mode", [("evict", "layer"), ("through", "layer"),
+                                                   ("evict", "whole")])
+def test_a_pressured_mix_with_preemption_chunks_and_tiers_keeps_outputs_and_identities(
+        tmp_path, host_write: str, load_mode: str) -> None:  # type: ignore[no-untyped-def]
+    """Shared prefixes, chunked prefill (budget 64), a device pool small enough to preempt,
+    a host tier and a file:// remote: every output equals a run without any cache, every
+    request's identity and every layer's identity hold, and some tokens came from each
+    source."""
+    from instrumented_engine.tiers.config import TierConfig
+
+    rng = np.random.default_rng(5)
+    docs = [tokens(100 + d, 96 + 16 * d) for d in range(3)]
+    prompts = [docs[int(rng.integers(3))] + tokens(200 + i, int(rng.integers(5, 40)))
+               for i in range(14)]
+    rec = Recorder()
+    cfg = hybrid_config(window=32, num_blocks=24, budget=64)
+    tiers = TierConfig(host_blocks=48, host_write=host_write, remote=f"file://{tmp_path}/kv",
+                       load_mode=load_mode)
+    engine = LLMEngine(cfg, recorder=rec, tier_config=tiers)
+    outs = engine.generate(prompts[:7], max_tokens=6)
+    engine.flush_tiers()  # the write-behind has written what the first half completed
+    outs += engine.generate(prompts[7:], max_tokens=6)
+    engine.close()
+    plain = LLMEngine(hybrid_config(window=32, num_blocks=64, budget=64, caching=False))
+    want = [o.output_token_ids for o in plain.generate(prompts, max_tokens=6)]
+    assert [o.output_token_ids for o in outs] == want
+    assert engine.stats.preemptions > 0
+    acct = [o.accounting for o in outs]
+    assert all(a.identity_holds() for a in acct)
+    assert sum(a.device_hit_tokens for a in acct) > 0
+    assert sum(a.host_loaded_tokens + a.remote_loaded_tokens for a in acct) > 0
+    layers = _layers(rec)
+    total = (layers["hit_tokens"] + layers["loaded_tokens"] + layers["recomputed_tokens"]
+             + layers["skipped_tokens"])
+    np.testing.assert_array_equal(total, layers["prompt_tokens"])
+    assert (layers["skipped_tokens"][np.isin(layers["layer"], [1, 3])] == 0).all()
