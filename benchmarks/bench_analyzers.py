@@ -50,6 +50,8 @@ from itertools import pairwise
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from benchstats import load_average, median_interval
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -67,25 +69,6 @@ QUANTILES = (0.5, 0.9, 0.99)
 PRIORITY = ("prefill", "sync", "h2d", "queue", "remote_read", "lookup", "other")
 _RANK = {s: i for i, s in enumerate(PRIORITY)}
 _LOADS = set(LOADS)
-
-
-def load_average() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg()) + f" on {os.cpu_count()} CPUs"
-
-
-def median_interval(values: list[float], conf: float = 0.95) -> tuple[float, float, float]:
-    """(low, high, coverage): the order-statistics interval for the median of `values` with
-    coverage >= `conf` when the sample allows it, else the full range and its coverage."""
-    v = sorted(values)
-    n = len(v)
-
-    def cover(k: int) -> float:  # P(x_(k) <= median <= x_(n-k+1)), k 1-based
-        return 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2 ** n
-
-    k = 1
-    while k + 1 <= n // 2 and cover(k + 1) >= conf:
-        k += 1
-    return v[k - 1], v[n - k], cover(k)
 
 
 # ------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import statistics
 import time
 
 import torch
+from benchstats import mean_ci
 
 from agent.telemetry import Recorder
 from instrumented_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -30,21 +31,6 @@ from instrumented_engine.engine import LLMEngine
 from instrumented_engine.model.llama import build_model
 from instrumented_engine.workloads import DocQAConfig, docqa
 from instrumented_engine.workloads.base import Arrival
-
-# Two-sided 95 % Student t quantiles by degrees of freedom (beyond 120: the normal's 1.96).
-_T975 = {29: 2.045, 39: 2.023, 49: 2.010, 59: 2.001, 79: 1.990, 99: 1.984, 119: 1.980}
-
-
-def t975(df: int) -> float:
-    for k in sorted(_T975):
-        if df <= k:
-            return _T975[k]
-    return 1.96
-
-
-def mean_ci(xs: list[float]) -> tuple[float, float]:
-    """Mean and the half-width of its 95 % confidence interval."""
-    return statistics.fmean(xs), t975(len(xs) - 1) * statistics.stdev(xs) / len(xs) ** 0.5
 
 
 def run_pair(cfg: EngineConfig, model: torch.nn.Module, arrivals: list[Arrival],

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import statistics
 import subprocess
@@ -38,6 +37,8 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from benchstats import median_interval
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data" / "kineto"
@@ -72,21 +73,6 @@ def _proc(argv: list[str]) -> Callable[[], object]:
         return subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
 
     return run
-
-
-def median_interval(values: list[float], conf: float = 0.95) -> tuple[float, float, float]:
-    """(low, high, coverage): the order-statistics interval for the median of `values` with
-    coverage >= `conf` when the sample allows it, else the full range and its coverage."""
-    v = sorted(values)
-    n = len(v)
-
-    def cover(k: int) -> float:  # P(x_(k) <= median <= x_(n-k+1)), k 1-based
-        return 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2 ** n
-
-    k = 1
-    while k + 1 <= n // 2 and cover(k + 1) >= conf:
-        k += 1
-    return v[k - 1], v[n - k], cover(k)
 
 
 def _pairs(a: Callable[[], object], b: Callable[[], object], repeats: int

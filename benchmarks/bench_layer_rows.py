@@ -12,7 +12,6 @@ average (the machine is shared).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import sys
@@ -23,20 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchstats import median_ci  # noqa: E402
+
 from agent.telemetry import Recorder, RequestAccounting  # noqa: E402
-
-
-def median_ci(xs: list[float]) -> tuple[float, float, float]:
-    """Median and the order statistics bounding a >= 95 % interval of it (binomial)."""
-    s = sorted(xs)
-    n = len(s)
-    k = 0
-    for j in range(n // 2, -1, -1):  # widest symmetric pair with coverage >= 0.95
-        cover = sum(math.comb(n, i) for i in range(j, n - j)) / 2 ** n
-        if cover >= 0.95:
-            k = j
-            break
-    return statistics.median(s), s[k], s[n - 1 - k]
 
 
 def run(batched: bool, layers: int, requests: int) -> tuple[float, list[dict]]:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import math
 import random
 import statistics
 import sys
@@ -45,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from a source checkout without installing
     sys.path.insert(0, str(ROOT))
 
+from benchstats import median_ci  # noqa: E402
 from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
 from opentelemetry.sdk.trace.export import (  # noqa: E402
     BatchSpanProcessor,
@@ -213,23 +213,6 @@ class DrainBench:
             raise RuntimeError(f"drained {n} span rows, recorded {self.rows}")
         self.last_split = (n / ((w1 - w0) / 1e9), n / ((w2 - w1) / 1e9))
         return n / ((c2 - c0) / 1e9), n / ((w2 - w0) / 1e9)
-
-
-def median_ci(xs: list[float]) -> tuple[float, float, float]:
-    """Median and a distribution-free ~95 % CI (order statistics of the binomial(n, 1/2))."""
-    s = sorted(xs)
-    n = len(s)
-    med = statistics.median(s)
-    if n < 6:
-        return med, s[0], s[-1]
-    cdf = 0.0
-    k = 0
-    for i in range(n + 1):
-        cdf += math.comb(n, i) / 2**n
-        if cdf > 0.025:
-            k = i
-            break
-    return med, s[max(k - 1, 0)], s[min(n - k, n - 1)]
 
 
 def fmt_ns(x: float) -> str:

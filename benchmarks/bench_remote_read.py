@@ -34,7 +34,6 @@ for files. `--backend mooncake` needs kvscope[mooncake] and libibverbs1.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import shutil
 import socket
@@ -53,6 +52,7 @@ if str(ROOT) not in sys.path:  # run from a source checkout without installing
 import numpy as np  # noqa: E402
 import redis  # noqa: E402
 import torch  # noqa: E402
+from benchstats import median_ci  # noqa: E402
 
 from instrumented_engine.core.block_hash import hash_block, namespace_digest  # noqa: E402
 from instrumented_engine.tiers import format as fmt  # noqa: E402
@@ -62,19 +62,6 @@ from instrumented_engine.tiers.stores.file import FileStore  # noqa: E402
 from instrumented_engine.tiers.stores.redis import RedisStore, key  # noqa: E402
 
 TARGETS = {"redis": 0.7, "file": 0.5, "mooncake": 0.7}
-
-
-def median_ci(xs: list[float]) -> tuple[float, float, float]:
-    """Median and a distribution-free ~95 % CI from binomial(n, 1/2) order statistics."""
-    s = sorted(xs)
-    n = len(s)
-    if n < 6:
-        return statistics.median(s), s[0], s[-1]
-    k, cdf = 0, 0.0
-    while cdf + math.comb(n, k) / 2**n <= 0.025:
-        cdf += math.comb(n, k) / 2**n
-        k += 1
-    return statistics.median(s), s[max(k - 1, 0)], s[min(n - k, n - 1)]
 
 
 def start_redis() -> tuple[subprocess.Popen[bytes], int]:

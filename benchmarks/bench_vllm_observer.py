@@ -10,9 +10,9 @@ each block of pairs keeps each engine's fastest round (interference only adds ti
 Cost is the engine thread's CPU time for the round (`time.thread_time`: the scheduler, the
 worker and the observer's Python all run on it with multiprocessing off; vLLM's OpenMP threads
 and other processes' time on the cores are left out) and its wall time. Prints the
-observer/plain ratio of each block's CPU time: the median with its 95 % bootstrap interval, and
-the mean with its 95 % t interval; the spool join is off the engine's path (after the run)
-and timed apart.
+observer/plain ratio of each block's CPU time: the median with its distribution-free 95 %
+interval, and the mean with its 95 % t interval; the spool join is off the engine's path
+(after the run) and timed apart.
 
     .venv-vllm/bin/python benchmarks/bench_vllm_observer.py [--blocks 12] [--pairs-per-block 5]
 """
@@ -30,28 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-_T975 = {9: 2.262, 19: 2.093, 29: 2.045, 39: 2.023, 49: 2.010, 99: 1.984}
-
-
-def t975(df: int) -> float:
-    for k in sorted(_T975):
-        if df <= k:
-            return _T975[k]
-    return 1.96
-
-
-def mean_ci(xs: list[float]) -> tuple[float, float]:
-    """Mean and the half-width of its 95 % confidence interval."""
-    return statistics.fmean(xs), t975(len(xs) - 1) * statistics.stdev(xs) / len(xs) ** 0.5
-
-
-def median_ci(xs: list[float], n_boot: int = 4000, seed: int = 1) -> tuple[float, float, float]:
-    """Median and its 95 % percentile-bootstrap interval (robust to a shared machine's bursts)."""
-    import random
-
-    rng = random.Random(seed)
-    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(n_boot))
-    return statistics.median(xs), meds[int(0.025 * n_boot)], meds[int(0.975 * n_boot) - 1]
+from benchstats import mean_ci, median_ci
 
 
 def worker(observe: bool, storage: str, run_dir: str, requests: int, prompt: int,
@@ -175,7 +154,7 @@ def main() -> None:
           f"alternated pairs, {a.requests} requests a round ({a.prompt_tokens} prompt tokens "
           f"loaded, {a.output_tokens} output tokens each); ratio of each block's fastest "
           "rounds:")
-    print(f"  CPU time  ratio: median {md:.4f} [{lo:.4f}, {hi:.4f}] (95 % bootstrap CI) -> "
+    print(f"  CPU time  ratio: median {md:.4f} [{lo:.4f}, {hi:.4f}] (distribution-free 95 % CI) -> "
           f"overhead {100 * (md - 1):+.2f} % [{100 * (lo - 1):+.2f}, {100 * (hi - 1):+.2f}]; "
           f"mean {m:.4f} ± {h:.4f} (95 % t CI)")
     print(f"  wall time ratio {mw:.4f} ± {hw:.4f} (95 % CI), median "

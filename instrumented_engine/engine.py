@@ -95,15 +95,8 @@ class LLMEngine:
         self.clock = recorder.now if recorder is not None else clock
         split = layer_ids = offload_ids = None
         if isinstance(self.kv, HybridKVCacheManager):
-            kv, group_of = self.kv, [0] * mc.num_layers
-            for g, group in enumerate(groups):
-                for layer in group.layers:
-                    group_of[layer] = g
-            layer_ids, offload_ids = kv.layer_ids(group_of), kv.evicted_ids(group_of)
-
-            def split(device_hit: int, loaded: int) -> list[tuple[int, int, int]]:
-                per_group = kv.layer_split(device_hit, loaded)
-                return [per_group[g] for g in group_of]
+            split = self.kv.layer_split
+            layer_ids, offload_ids = self.kv.layer_ids(), self.kv.evicted_ids()
         self.life = RequestLifecycle(recorder, block_size=config.cache.block_size,
                                      num_layers=mc.num_layers, clock=self.clock,
                                      record_output_ids=record_output_ids, layer_split=split,

@@ -106,13 +106,10 @@ class ModelRunner:
             meta = build_metadata(num_new, ctx_lens, tables, bs, dev)
         else:
             per_req = [self.hybrid.block_tables(r) for r in reqs]
-            layer_meta: list[AttentionMetadata | None] = [None] * self.model.cfg.num_layers
-            for g, group in enumerate(self.hybrid.groups):
-                m = build_metadata(num_new, ctx_lens, [t[g] for t in per_req], bs, dev,
-                                   window=group.window)
-                for layer in group.layers:
-                    layer_meta[layer] = m
-            meta = [m for m in layer_meta if m is not None]
+            per_group = [build_metadata(num_new, ctx_lens, [t[g] for t in per_req], bs, dev,
+                                        window=group.window)
+                         for g, group in enumerate(self.hybrid.groups)]
+            meta = [per_group[g] for g in self.hybrid.layer_group]
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
             positions=torch.from_numpy(np.concatenate(pos_parts)).to(dev),

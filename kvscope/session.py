@@ -294,7 +294,7 @@ def layer_groups_info(model: ModelConfig, block_size: int, num_blocks: int,
     """run.json's `tiers.device.layer_groups`: per KV-cache group its name, kind, layers,
     window (tokens, null for full attention), device pool size and bytes per block (that
     group's layers only)."""
-    per_layer = 2 * block_size * model.num_kv_heads * model.head_dim * _element_bytes(dtype)
+    per_layer = kv_bytes_per_block(model, block_size, dtype) // model.num_layers
     return [{"name": g.name, "kind": g.kind, "layers": list(g.layers), "window": g.window,
              "num_blocks": num_blocks, "kv_bytes_per_block": per_layer * len(g.layers)}
             for g in model.layer_groups()]

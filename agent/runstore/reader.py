@@ -330,10 +330,23 @@ _ADDED_IN_V2: dict[str, dict[str, Any]] = {
                  "remote_found_tokens": 0, "preempted_loaded_tokens": 0,
                  "output_digest": None, "output_token_ids": None},
     "spans": {"block": None},
-    # Added to version 2 after its first stores were written (layer groups): 0 in any store
-    # written without it (no layer skipped anything before sliding-window models).
     "layers": {"skipped_tokens": 0},
 }
+#: Added to version 2 after its first stores were written (layer groups): 0 in any store
+#: written without it (no layer skipped anything before sliding-window models).
+_ADDED_WITHIN_V2: dict[str, dict[str, Any]] = {"layers": {"skipped_tokens": 0}}
+
+
+def _fill(tbl: pa.Table, name: str, added: dict[str, dict[str, Any]]) -> pa.Table:
+    """`tbl` with each column of `added[name]` it lacks, filled with its value (or nulls)."""
+    for col, value in added.get(name, {}).items():
+        if col in tbl.column_names:
+            continue
+        typ = TABLES[name].field(col).type
+        arr = (pa.nulls(tbl.num_rows, typ) if value is None
+               else pa.array([value] * tbl.num_rows, typ))
+        tbl = tbl.append_column(col, arr)
+    return tbl
 
 
 def block_size_of(meta: dict[str, Any]) -> int | None:
@@ -356,16 +369,8 @@ def upgrade(tbl: pa.Table, name: str, version: int, meta: dict[str, Any] | None 
     capped at prompt - 1 in version 1) becomes the largest multiple of the block size that is
     <= prompt - 1, recomputed from `prompt_tokens` and run.json's block size."""
     if version >= 2:
-        if name == "layers" and "skipped_tokens" not in tbl.column_names:
-            tbl = tbl.append_column("skipped_tokens", pa.array([0] * tbl.num_rows, pa.int64()))
-        return tbl
-    for col, value in _ADDED_IN_V2.get(name, {}).items():
-        if col in tbl.column_names:
-            continue
-        typ = TABLES[name].field(col).type
-        arr = (pa.nulls(tbl.num_rows, typ) if value is None
-               else pa.array([value] * tbl.num_rows, typ))
-        tbl = tbl.append_column(col, arr)
+        return _fill(tbl, name, _ADDED_WITHIN_V2)
+    tbl = _fill(tbl, name, _ADDED_IN_V2)
     bs = block_size_of(meta or {})
     if name == "requests" and bs and {"lookup_tokens", "prompt_tokens"} <= set(tbl.column_names):
         import numpy as np

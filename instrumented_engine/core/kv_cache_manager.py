@@ -203,6 +203,13 @@ class HybridKVCacheManager:
         self.block_size = block_size
         self.rules = [GroupRules(p, block_size, g.window) for g, p in zip(groups, pools,
                                                                           strict=True)]
+        if sum(g.window is not None for g in groups) > 1 or (
+                len(groups) > 1 and groups[0].window is not None):
+            raise ValueError("layer groups: full attention first, then at most one window")
+        #: Layer i's group index.
+        self.layer_group: tuple[int, ...] = tuple(
+            g for _, g in sorted((layer, g) for g, grp in enumerate(groups)
+                                 for layer in grp.layers))
         self.recached: list[int] = []
         #: Per request (by id): the hit tables `get_computed_blocks` found for the groups after
         #: the first, taken by the next `allocate_slots` of that request.
@@ -225,16 +232,11 @@ class HybridKVCacheManager:
         """(usable hit in blocks, each group's own limit) for the request now."""
         limit = (req.num_tokens - 1) // self.block_size
         per = []
+        # NOTE: one pass is exact: the full-attention group comes first and any prefix of its
+        # hit is a hit too, and there is at most one window group (one `sliding_window`).
         for rules in self.rules:
             limit = rules.hit_blocks(req.block_hashes, limit)
             per.append(limit)
-        # A later group can only shorten; every earlier group's rule holds for any shorter
-        # hit too (a full-attention prefix is downward closed; a window hit is re-checked).
-        for _ in range(len(self.rules)):
-            again = [r.hit_blocks(req.block_hashes, limit) for r in self.rules]
-            if min(again) == limit:
-                break
-            limit = min(again)
         return limit, per
 
     def probe(self, req: Request) -> int:
@@ -341,25 +343,24 @@ class HybridKVCacheManager:
         slots are never read or written)."""
         return [[0 if b is None else b.block_id for b in t] for t in req.group_blocks]
 
-    def skipped_tokens(self, hit_tokens: int) -> list[int]:
-        """Per group, the tokens of a `hit_tokens` hit that the group skips."""
-        return [r.skipped_tokens(hit_tokens) for r in self.rules]
-
     def layer_split(self, device_hit: int, loaded: int) -> list[tuple[int, int, int]]:
-        """Per group, (hit, loaded, skipped) tokens of an admission that reused `device_hit`
+        """Per layer, (hit, loaded, skipped) tokens of an admission that reused `device_hit`
         tokens from the device and `loaded` more from the tiers (both block-aligned): a window
-        group reads only the blocks before the reuse's end that its window covers."""
+        layer reads only the blocks before the reuse's end that its window covers."""
         end = device_hit + loaded
-        out = []
+        per_group = []
         for r in self.rules:
             skipped = r.skipped_tokens(end)
-            out.append((max(0, device_hit - skipped), end - max(device_hit, skipped), skipped))
-        return out
+            per_group.append((max(0, device_hit - skipped), end - max(device_hit, skipped),
+                              skipped))
+        return [per_group[g] for g in self.layer_group]
 
-    def layer_ids(self, layer_group: Sequence[int]) -> Any:
+    def layer_ids(self) -> Any:
         """(request, chain position) → that position's block id per layer (None when a group
         no longer holds it): the tiers copy every layer of a position, each into its group's
-        block. `layer_group[l]` is layer l's group."""
+        block."""
+        layer_group = self.layer_group
+
         def ids(req: Request, i: int) -> tuple[int, ...] | None:
             per_group = []
             for table in req.group_blocks:
@@ -370,10 +371,12 @@ class HybridKVCacheManager:
             return tuple(per_group[g] for g in layer_group)
         return ids
 
-    def evicted_ids(self, layer_group: Sequence[int]) -> Any:
+    def evicted_ids(self) -> Any:
         """(block id, digest) of a block the first group's pool evicts → that position's block
         id per layer, looked up by digest in the other groups' pools (None when one of them no
         longer holds it: then no whole object can be saved)."""
+        layer_group = self.layer_group
+
         def ids(block_id: int, digest: bytes) -> tuple[int, ...] | None:
             per_group = [block_id]
             for pool in self.pools[1:]:

@@ -89,6 +89,13 @@ def _run(tiers: TierConfig | None, *, during: Callable[[LLMEngine], None] | None
         eng.step()
         during(eng)
     eng.run_until_done()
+    return collect(eng, rec)
+
+
+def collect(eng: LLMEngine, rec: Recorder, cls: type[Run] = Run, **extra: Any) -> Run:
+    """Close `eng`, drain `rec` and check what every fault run must keep (the partition, the
+    identity, failures adding up by reason); the run as `cls` (a `Run`, or a subclass given
+    its `extra` fields)."""
     eng.close()
     t = rec.drain()
     assert check_partition(t["spans"], t["requests"]) == []
@@ -97,8 +104,8 @@ def _run(tiers: TierConfig | None, *, during: Callable[[LLMEngine], None] | None
         assert r["prompt_tokens"] == (r["device_hit_tokens"] + r["host_loaded_tokens"]
                                       + r["remote_loaded_tokens"] + r["recomputed_tokens"]), r
         assert r["load_failed_tokens"] == sum(r[f"load_failed_{x}_tokens"] for x in FAILS)
-    return Run({r["request_id"]: r["output_digest"] for r in rows}, rows,
-               t["events"].to_pylist() if "events" in t else [], t["spans"], eng)
+    return cls({r["request_id"]: r["output_digest"] for r in rows}, rows,
+               t["events"].to_pylist() if "events" in t else [], t["spans"], eng, **extra)
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +120,7 @@ def _tiers(url: str, *, key: ObjectKey | None = None, faults: Sequence[str] = ()
                                                   breaker=BreakerConfig(threshold, 60.0)))
 
 
-def _no_stall(run: Run) -> None:
+def no_stall(run: Run) -> None:
     """Requests the remote could not help were never parked on it."""
     spans = run.spans.to_pylist()
     for rid in ("cold-0", "cold-1"):
@@ -203,7 +210,7 @@ def test_damaged_objects_on_file_are_never_served(tmp_path: Path, cache_off: dic
     outcome = remote.stats.outcome_counts()
     assert outcome.get(("read", reason), 0) > 0
     assert run.breaker_events() == []  # unusable objects do not mean the backend is down
-    _no_stall(run)
+    no_stall(run)
 
 
 def test_swapped_values_in_redis_are_never_served(redis_server: RedisServer,  # noqa: F811
@@ -238,7 +245,7 @@ def test_redis_killed_mid_run(warm_redis: RedisServer, cache_off: dict[str, str]
     assert set(run.failed()) <= {"error", "timeout", "circuit_open"}
     assert run.total("remote_loaded_tokens") + run.total("load_failed_tokens") > 0
     assert ("circuit_open", "write") in run.breaker_events()
-    _no_stall(run)
+    no_stall(run)
 
 
 def test_redis_stopped_with_sigstop(warm_redis: RedisServer, cache_off: dict[str, str]) -> None:
@@ -253,7 +260,7 @@ def test_redis_stopped_with_sigstop(warm_redis: RedisServer, cache_off: dict[str
     opened = {op for name, op in run.breaker_events() if name == "circuit_open"}
     assert "lookup" in opened  # lookups time out first: nothing is even promised
     assert run.total("remote_loaded_tokens") == 0
-    _no_stall(run)
+    no_stall(run)
 
 
 def test_reads_slower_than_their_deadline_with_fast_lookups(
@@ -268,7 +275,7 @@ def test_reads_slower_than_their_deadline_with_fast_lookups(
     assert ("circuit_open", "read") in run.breaker_events()
     outcomes = run.engine.flow.remote.stats.outcome_counts()  # type: ignore[union-attr]
     assert outcomes.get(("lookup", "ok"), 0) > 0 and not outcomes.get(("lookup", "timeout"))
-    _no_stall(run)
+    no_stall(run)
 
 
 def test_redis_restarted_empty_on_the_same_port(warm_redis: RedisServer,
@@ -282,4 +289,4 @@ def test_redis_restarted_empty_on_the_same_port(warm_redis: RedisServer,
     # Promised before the restart, gone after it: evicted (or failed while it restarted).
     assert set(run.failed()) <= {"evicted", "error", "timeout"}
     assert warm_redis.client().ping()
-    _no_stall(run)
+    no_stall(run)

@@ -15,10 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
 import pytest
 
-from agent.telemetry import Recorder, check_partition
+from agent.telemetry import Recorder
 from instrumented_engine.engine import LLMEngine
 from instrumented_engine.tiers import BreakerConfig, ResilienceConfig
 from instrumented_engine.tiers.config import TierConfig
@@ -34,29 +33,19 @@ from tests.instrumented_engine.tiers.test_fault_matrix import (  # noqa: F401 - 
     FAILS,
     _arrivals,
     cache_off,
+    collect,
+    no_stall,
 )
+from tests.instrumented_engine.tiers.test_fault_matrix import Run as FaultRun
 
 pytestmark = pytest.mark.service
 
 
 @dataclass
-class Run:
-    digests: dict[str, str]
-    rows: list[dict[str, Any]]
-    events: list[dict[str, Any]]
-    spans: pa.Table
-    engine: LLMEngine
-    max_step_s: float
+class Run(FaultRun):
+    """A fault run, with the longest engine step it took."""
 
-    def total(self, col: str) -> int:
-        return sum(r[col] for r in self.rows)
-
-    def failed(self) -> dict[str, int]:
-        return {r: t for r in FAILS if (t := self.total(f"load_failed_{r}_tokens"))}
-
-    def breaker_events(self) -> list[tuple[str, str]]:
-        return [(e["name"], json.loads(e["detail"])["op"]) for e in self.events
-                if e["name"] in ("circuit_open", "circuit_close")]
+    max_step_s: float = 0.0
 
     def longest_state_s(self, name: str) -> float:
         spans = [s for s in self.spans.to_pylist() if s["kind"] == "state"
@@ -88,16 +77,9 @@ def _drive(eng: LLMEngine) -> float:
 
 
 def _finish(eng: LLMEngine, rec: Recorder, worst: float) -> Run:
-    eng.close()
-    t = rec.drain()
-    assert check_partition(t["spans"], t["requests"]) == []
-    rows = t["requests"].to_pylist()
-    for r in rows:
-        assert r["prompt_tokens"] == (r["device_hit_tokens"] + r["host_loaded_tokens"]
-                                      + r["remote_loaded_tokens"] + r["recomputed_tokens"]), r
-        assert r["load_failed_tokens"] == sum(r[f"load_failed_{x}_tokens"] for x in FAILS)
-    return Run({r["request_id"]: r["output_digest"] for r in rows}, rows,
-               t["events"].to_pylist() if "events" in t else [], t["spans"], eng, worst)
+    run = collect(eng, rec, Run, max_step_s=worst)
+    assert isinstance(run, Run)
+    return run
 
 
 def _add(eng: LLMEngine, arrivals: Sequence[Arrival], suffix: str = "") -> None:
@@ -132,15 +114,6 @@ def _warm(url: str, cache_off: dict[str, str]) -> list[bytes]:  # noqa: F811
     assert {r: d for r, d in cache_off.items() if r in run.digests} == run.digests
     assert run.total("remote_written_bytes") > 0 and written
     return written
-
-
-def _no_stall(run: Run) -> None:
-    spans = run.spans.to_pylist()
-    for rid in ("cold-0", "cold-1"):
-        row = next(r for r in run.rows if r["request_id"] == rid)
-        assert row["remote_hit_tokens"] == 0
-        assert not [s for s in spans if s["request_id"] == rid and s["kind"] == "state"
-                    and s["name"] == "remote_read"]
 
 
 # ---------------------------------------------------------------------- a warm run
@@ -229,7 +202,7 @@ def test_master_sigkill_and_restart(tmp_path: Path, cache_off: dict[str, str]) -
               f"longest remote_read wait {run.longest_state_s('remote_read') * 1e3:.0f} ms, "
               f"4 arrivals' lookups {submit_s * 1e3:.0f} ms in all; lookup breaker closed "
               f"{recovery:.2f} s after the restart began ({n} probe arrivals)")
-        _no_stall(run)
+        no_stall(run)
     finally:
         cluster.stop()
 
@@ -250,7 +223,7 @@ def test_holder_sigkill(tmp_path: Path, cache_off: dict[str, str]) -> None:  # n
         assert run.max_step_s < 1.0, run.max_step_s
         print(f"\nmooncake holder SIGKILL: failed tokens by reason {failed}, longest engine "
               f"step {run.max_step_s * 1e3:.0f} ms")
-        _no_stall(run)
+        no_stall(run)
     finally:
         cluster.stop()
 
@@ -288,7 +261,7 @@ def test_segment_too_small_evicts_silently(tmp_path: Path,
         print(f"\nmooncake segment too small: {failed['evicted']} promised tokens evicted "
               f"before their reads, {cluster.metric('master_evicted_key_count'):.0f} keys "
               "evicted by the master")
-        _no_stall(run)
+        no_stall(run)
     finally:
         cluster.stop()
 
@@ -314,7 +287,7 @@ def test_swapped_objects_are_refused_as_mismatch(mooncake: MooncakeCluster,
     assert remote is not None and remote.stats.outcome_counts().get(("read", "mismatch"), 0) > 0
     assert remote.stats.get("corrupt_digest") > 0
     assert run.breaker_events() == []
-    _no_stall(run)
+    no_stall(run)
 
 
 # ---------------------------------------------------------------------- kvscope run
