@@ -155,7 +155,7 @@ def _render(runs: list[str], page: str, *, clear: bool, before: str | None = Non
 
 #: (URL path, text the page shows once it has run, figures it draws) per page. The current
 #: dashboard serves the Overview at /overview (the root opens it there) with four figures.
-_BROWSER_PAGES = (("overview", "Top findings", 4), ("requests", "Token accounting", 2),
+_BROWSER_PAGES = (("overview", "Top findings", 3), ("requests", "Token accounting", 2),
                   ("kv_cache", "Evictions", 4), ("hardware", "samples from", 1),
                   ("compare", "Token accounting, A vs B", 1))
 #: The same for a dashboard from before that change: its Overview is only at the root.
@@ -168,7 +168,12 @@ def _pages_of(before: Path | None) -> tuple[tuple[str, str, int], ...]:
     if before is None:
         return _BROWSER_PAGES
     app = (before / "dashboard" / "streamlit_app.py").read_text()
-    return _BROWSER_PAGES if 'url_path="overview"' in app else _BEFORE_PAGES
+    if 'url_path="overview"' not in app:
+        return _BEFORE_PAGES
+    if "echarts" in (before / "dashboard" / "views" / "overview.py").read_text():
+        return _BROWSER_PAGES
+    # An Overview of four Plotly figures (before it drew with ECharts).
+    return (("overview", "Top findings", 4), *_BROWSER_PAGES[1:])
 
 
 def _serve(runs: list[str], port: int, before: Path | None) -> subprocess.Popen[bytes]:
@@ -179,8 +184,11 @@ def _serve(runs: list[str], port: int, before: Path | None) -> subprocess.Popen[
                                  "--port", str(port)], cwd=REPO, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
     env = dict(os.environ, PYTHONPATH=f"{before}{os.pathsep}{REPO}")
+    # Served as `kvscope dashboard` served it then: with its pre-import and warm-up when the
+    # checkout has them (dashboard/serve.py), else by Streamlit alone.
+    server = "dashboard.serve" if (before / "dashboard" / "serve.py").exists() else "streamlit"
     return subprocess.Popen(
-        [sys.executable, "-m", "streamlit", "run", str(before / "dashboard" / "streamlit_app.py"),
+        [sys.executable, "-m", server, "run", str(before / "dashboard" / "streamlit_app.py"),
          "--server.headless", "true", "--server.address", "127.0.0.1", "--server.port",
          str(port), "--browser.gatherUsageStats", "false", "--", *runs],
         cwd=before, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

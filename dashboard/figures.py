@@ -1,4 +1,5 @@
-"""Plotly figure builders: analyzer outputs and raw series in, `go.Figure` out.
+"""Plotly figure builders: analyzer outputs and raw series in, `go.Figure` out (the Overview's
+charts, and the token-source bar, are ECharts options: `dashboard.echarts`).
 
 Pure functions (no Streamlit, no I/O); they draw what they are given and only convert units
 for the axes (ns → ms, epoch ns → datetimes). Every stage keeps one colour across figures.
@@ -6,14 +7,12 @@ for the axes (ns → ms, epoch ns → datetimes). Every stage keeps one colour a
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
-
-from agent.schema import TTFT_STAGES
 
 STAGE_COLORS: dict[str, str] = {
     "lookup": "#8c564b", "queue": "#7f7f7f", "remote_read": "#d62728", "h2d": "#ff7f0e",
@@ -42,36 +41,6 @@ def _layout(fig: go.Figure, title: str, *, height: int = 360) -> go.Figure:
     fig.update_layout(title=title, height=height, margin={"l": 60, "r": 20, "t": 50, "b": 40},
                       legend={"orientation": "h", "y": -0.2})
     return fig
-
-
-def ttft_over_time(windows: pd.DataFrame, *, origin_ns: int, stage: str = "ttft"
-                   ) -> go.Figure:
-    """Percentiles of TTFT (or one stage) per arrival window (`TTFTSummary.windows`)."""
-    fig = go.Figure()
-    x = _times(windows["window_start_ns"], origin_ns) if len(windows) else []
-    for q, dash in _QUANTILE_DASH.items():
-        col = f"{stage}_{q}_ns"
-        y = windows[col].astype("float64") / _MS if len(windows) else []
-        fig.add_trace(go.Scatter(x=x, y=y, mode="lines+markers", name=f"{stage} {q}",
-                                 line={"dash": dash}))
-    fig.update_yaxes(title_text="ms")
-    fig.update_xaxes(title_text=TIME_AXIS, type="linear")
-    return _layout(fig, f"{stage.upper() if stage == 'ttft' else stage} percentiles over time "
-                        "(by arrival window)")
-
-
-def stage_breakdown(groups: Mapping[str, Mapping[str, float]], *,
-                    title: str = "Mean TTFT by stage") -> go.Figure:
-    """Stacked bars: per group (e.g. ``all``, ``slowest 1 %``, a hit class) the mean time in
-    each stage; means add up to the group's mean TTFT, percentiles would not."""
-    labels = list(groups)
-    fig = go.Figure()
-    for stage in TTFT_STAGES:
-        y = [float(groups[g].get(stage, np.nan)) / _MS for g in labels]
-        fig.add_trace(go.Bar(x=labels, y=y, name=stage, marker_color=STAGE_COLORS[stage]))
-    fig.update_layout(barmode="stack")
-    fig.update_yaxes(title_text="mean ms per request")
-    return _layout(fig, title)
 
 
 def request_waterfall(spans: pd.DataFrame, arrival_ns: int, *, title: str,
@@ -115,28 +84,6 @@ def request_waterfall(spans: pd.DataFrame, arrival_ns: int, *, title: str,
     # The legend to the right of the plot: under it, it sat on the axis title.
     fig.update_layout(legend={"orientation": "v", "x": 1.01, "y": 1.0, "yanchor": "top"},
                       margin={"l": 60, "r": 140, "t": 60, "b": 50})
-    return fig
-
-
-def token_sources(counts: Mapping[str, int], *, title: str, height: int = 220) -> go.Figure:
-    """One stacked horizontal bar: the prompt's tokens by KV source (device hit, host loaded,
-    remote loaded, recomputed), each legend entry with its count and share."""
-    fig = go.Figure()
-    total = sum(int(counts.get(src, 0)) for src in SOURCE_COLORS)
-    for src, color in SOURCE_COLORS.items():
-        n = int(counts.get(src, 0))
-        share = f" ({100 * n / total:.1f} %)" if total else ""
-        fig.add_trace(go.Bar(y=["prompt"], x=[n], name=f"{src.replace('_', ' ')}: {n:,}{share}",
-                             orientation="h", marker_color=color,
-                             hovertemplate=f"{src.replace('_', ' ')}: {n:,} / {total:,} prompt "
-                                           f"tokens{share}<extra></extra>"))
-    fig.update_layout(barmode="stack")
-    fig.update_xaxes(title_text="prompt tokens", tickformat=",d")
-    _layout(fig, title, height=height)
-    # The legend (counts and shares) beside the bar: under it, it sat on the axis title.
-    fig.update_layout(legend={"orientation": "v", "x": 1.02, "y": 1.0, "yanchor": "top",
-                              "traceorder": "normal"},
-                      margin={"l": 60, "r": 20, "t": 50, "b": 50})
     return fig
 
 
@@ -267,64 +214,6 @@ def hardware(windows: pd.DataFrame, series: pd.DataFrame, metrics: Sequence[str]
     fig.update_xaxes(type="linear")
     fig.update_xaxes(title_text=TIME_AXIS, row=rows, col=1)
     return _layout(fig, "Hardware and TTFT on one time axis", height=220 + 200 * rows)
-
-
-def incidents(windows: pd.DataFrame, incidents: pd.DataFrame, breaker: pd.DataFrame, *,
-              origin_ns: int) -> go.Figure:
-    """When did things go wrong: TTFT p50/p99 per arrival window on top, failures (failed
-    requests, failed loads, remote errors) in the middle, evicted blocks at the bottom, on one
-    time axis; breaker-open periods shaded across all rows.
-
-    Args:
-        windows: `TTFTSummary.windows`.
-        incidents: `dashboard.data.Incidents.windows` (``window_start_s`` and counts).
-        breaker: `dashboard.data.Incidents.breaker` (``op, start_s, end_s, closed``).
-        origin_ns: the run's start.
-    """
-    fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.08,
-                        row_heights=[0.45, 0.3, 0.25],
-                        subplot_titles=["TTFT (ms)", "failures per window",
-                                        "evicted blocks per window"])
-    if len(windows):
-        x = _times(windows["window_start_ns"], origin_ns)
-        for q in ("p50", "p99"):
-            fig.add_trace(go.Scatter(x=x, y=windows[f"ttft_{q}_ns"].astype("float64") / _MS,
-                                     name=f"TTFT {q}", mode="lines+markers",
-                                     line={"dash": _QUANTILE_DASH[q]}), row=1, col=1)
-    x = incidents["window_start_s"] if len(incidents) else []
-    for col, name, color in (("failed_requests", "failed requests", "#7f0000"),
-                             ("failed_load_requests", "requests with a failed load", "#d62728"),
-                             ("remote_errors", "remote operation errors", "#ff7f0e")):
-        y = incidents[col] if len(incidents) else []
-        fig.add_trace(go.Bar(x=x, y=y, name=name, marker_color=color,
-                             hovertemplate=f"%{{x:.1f}} s: %{{y:,}} {name}<extra></extra>"),
-                      row=2, col=1)
-    fig.add_trace(go.Bar(x=x, y=incidents["evicted_blocks"] if len(incidents) else [],
-                         name="evicted blocks", marker_color="#9467bd",
-                         hovertemplate="%{x:.1f} s: %{y:,} evicted blocks<extra></extra>"),
-                  row=3, col=1)
-    for b in breaker.itertuples(index=False):
-        label = f"breaker open ({b.op})" if b.op else "breaker open"
-        for r in (1, 2, 3):
-            fig.add_vrect(x0=b.start_s, x1=b.end_s, fillcolor="#d62728", opacity=0.12,
-                          line_width=0, row=r, col=1)
-        fig.add_trace(go.Scatter(x=[b.start_s, b.end_s], y=[0, 0], mode="lines",
-                                 line={"color": "#d62728", "width": 6}, name=label,
-                                 legendgroup=f"breaker {b.op}", showlegend=True,
-                                 hovertemplate=(f"{label}: %{{x:.2f}} s"
-                                                + ("" if b.closed else " (still open at end)")
-                                                + "<extra></extra>")), row=2, col=1)
-    fig.update_layout(barmode="group")
-    fig.update_yaxes(ticksuffix=" ms", row=1, col=1)
-    for row, cols in ((2, ("failed_requests", "failed_load_requests", "remote_errors")),
-                      (3, ("evicted_blocks",))):
-        top = float(incidents[list(cols)].to_numpy().max()) if len(incidents) else 0.0
-        # Whole counts: with a small maximum Plotly would put ticks at 0.5 and print "1" twice.
-        fig.update_yaxes(tickformat=",d", rangemode="tozero", row=row, col=1,
-                         **({"dtick": 1, "tick0": 0} if top <= 5 else {}))
-    fig.update_xaxes(type="linear")
-    fig.update_xaxes(title_text=TIME_AXIS, row=3, col=1)
-    return _layout(fig, "TTFT, failures, breaker and evictions on one time axis", height=560)
 
 
 def compare_stages(stages: pd.DataFrame, a_label: str, b_label: str) -> go.Figure:

@@ -88,6 +88,25 @@ def label_of(path: str) -> str:
     return data.run_labels(tuple(paths))[paths.index(path)] if path in paths else path
 
 
+def echart(chart: Any, *, key: str) -> None:
+    """Draw a `dashboard.echarts.Chart` (SVG: drawn at once, text selectable and readable by
+    the browser tests)."""
+    st.echarts_chart(chart.option, height=chart.height, key=key, renderer="svg")
+
+
+def markdown_table(frame: Any) -> str:
+    """`frame` as a Markdown table (Streamlit draws it as static HTML, without the data-grid
+    component a ``st.dataframe`` loads): for the few-row tables of the Overview."""
+    def cell(v: Any) -> str:
+        return str(v).replace("|", "\\|").replace("\n", " ")
+
+    cols = [str(c) for c in frame.columns]
+    lines = ["| " + " | ".join(map(cell, cols)) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(map(cell, row)) + " |"
+              for row in frame.itertuples(index=False, name=None)]
+    return "\n".join(lines)
+
+
 def show_notes(run: data.RunData) -> None:
     """What the run lacks or could not tell, in an expander (nothing when complete)."""
     if run.notes:

@@ -11,7 +11,7 @@ import streamlit as st
 
 from agent.schema import TOKEN_SOURCES, TTFT_STAGES
 from analyzers.units import fmt_ns
-from dashboard import data, figures
+from dashboard import data, echarts
 from dashboard.views import common
 
 _GROUPINGS = {"hit class": "hit_class", "tenant": "tenant", "workload class": "workload_class"}
@@ -84,16 +84,16 @@ def _sources(sel: common.Selected, where: Any) -> None:
             return
         acct = data.accounting(sel.path, sel.version)
         counts = {s: int(acct.totals.get(f"{s}_tokens", 0)) for s in TOKEN_SOURCES}
-        st.plotly_chart(figures.token_sources(
-            counts, title="Where the prompt tokens' KV came from", height=360),
-            key="token_sources")
+        common.echart(echarts.token_sources(
+            counts, title="Where the prompt tokens' KV came from",
+            of="of requests with a first token"), key="token_sources")
 
 
 def _incidents(sel: common.Selected, summary: Any) -> None:
     inc = data.incidents(sel.path, sel.version)
-    st.plotly_chart(figures.incidents(summary.windows, inc.windows, inc.breaker,
-                                      origin_ns=data.origin_ns(sel.path, sel.version)),
-                    key="incidents")
+    common.echart(echarts.incidents(summary.windows, inc.windows, inc.breaker,
+                                    origin_ns=data.origin_ns(sel.path, sel.version)),
+                  key="incidents")
     bits = []
     if len(inc.breaker):
         bits.append("breaker open " + ", ".join(
@@ -140,23 +140,21 @@ def main() -> None:
         bars["slowest 1 % (≥ p99)"] = dict(zip(slow["stage"], slow["mean_ns"], strict=True))
         for key, rows in grouped.stages.groupby(by_col, sort=True):
             bars[f"{group}: {key}"] = _means(rows)
-        st.plotly_chart(figures.stage_breakdown(bars, title="Where TTFT went: mean by stage"),
-                        key="stage_breakdown")
+        common.echart(echarts.stage_breakdown(bars, title="Where TTFT went: mean by stage"),
+                      key="stage_breakdown")
     _sources(sel, right)
     _incidents(sel, summary)
     _findings(sel)
-    st.plotly_chart(figures.ttft_over_time(summary.windows,
-                                           origin_ns=data.origin_ns(sel.path, sel.version)),
-                    key="ttft_over_time")
     table = summary.stages.loc[summary.stages["stage"].isin([*TTFT_STAGES, "ttft",
                                                              "hidden_load"])]
-    st.dataframe(pd.DataFrame({
+    st.subheader("TTFT by stage")
+    st.markdown(common.markdown_table(pd.DataFrame({
         "stage": table["stage"],
         "p50": table["p50_ns"].map(fmt_ns), "p90": table["p90_ns"].map(fmt_ns),
         "p99": table["p99_ns"].map(fmt_ns), "mean": table["mean_ns"].map(fmt_ns),
         "time / all requests' TTFT": [_time_share(t, ttft.get("total_ns"))
                                        for t in table["total_ns"]],
-    }), hide_index=True, key="stage_table")
+    })))
 
 
 main()

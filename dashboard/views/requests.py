@@ -7,7 +7,7 @@ import streamlit as st
 
 from agent.schema import TOKEN_SOURCES, TTFT_STAGES
 from analyzers.units import fmt_ns
-from dashboard import data, figures
+from dashboard import data, echarts, figures
 from dashboard.views import common
 
 
@@ -27,8 +27,8 @@ def _accounting(sel: common.Selected, request_id: str) -> None:
         return
     acct = data.request_accounting(sel.path, sel.version, request_id)
     counts = {s: acct.totals[f"{s}_tokens"] for s in TOKEN_SOURCES}
-    st.plotly_chart(figures.token_sources(counts, title="Where the prompt's KV came from"),
-                    key="request_sources")
+    common.echart(echarts.token_sources(counts, title="Where the prompt's KV came from",
+                                        height=300), key="request_sources")
     keys = ("token_hit_share", "device_hit_share", "host_loaded_share", "remote_loaded_share",
             "host_load_yield", "remote_load_yield", "load_failed_share",
             *(f"prompt_{s}" for s in TOKEN_SOURCES))

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import pytest
 from streamlit.testing.v1 import AppTest
 
@@ -35,15 +36,35 @@ def app(runs: list[Path | str], page: str | None = None, *, run: bool = True) ->
 
 
 def charts(at: AppTest) -> list[dict[str, Any]]:
-    """The Plotly figures on the page, as their JSON specs."""
-    return [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+    """The charts on the page as their JSON specs: Plotly figures, then ECharts options."""
+    return [json.loads(c.proto.spec) for kind in ("plotly_chart", "echarts_chart")
+            for c in at.get(kind)]
+
+
+def chart_title(spec: dict[str, Any]) -> str:
+    """A Plotly figure's title, or an ECharts option's (its first title)."""
+    if "layout" in spec:
+        return str(spec["layout"].get("title", {}).get("text", ""))
+    title = spec.get("title", {})
+    return str((title[0] if isinstance(title, list) else title).get("text", ""))
 
 
 def chart(at: AppTest, title_start: str) -> dict[str, Any]:
-    found = [c for c in charts(at)
-             if str(c["layout"].get("title", {}).get("text", "")).startswith(title_start)]
-    assert len(found) == 1, [c["layout"].get("title") for c in charts(at)]
+    found = [c for c in charts(at) if chart_title(c).startswith(title_start)]
+    assert len(found) == 1, [chart_title(c) for c in charts(at)]
     return found[0]
+
+
+def markdown_table(at: AppTest, key_col: str) -> pd.DataFrame:
+    """The first Markdown table on the page with column `key_col`, as strings."""
+    for md in at.markdown:
+        lines = [ln for ln in str(md.value).splitlines() if ln.startswith("|")]
+        if len(lines) < 2:
+            continue
+        rows = [[c.strip() for c in ln.strip("|").split(" | ")] for ln in lines]
+        if key_col in rows[0]:
+            return pd.DataFrame(rows[2:], columns=rows[0])
+    raise AssertionError(f"no Markdown table with column {key_col!r}")
 
 
 def texts(at: AppTest) -> str:
@@ -161,26 +182,31 @@ def test_overview_shows_the_partition_summary_and_findings(golden: Path) -> None
     assert f"{hit.numerator:,} / {hit.denominator:,} {hit.unit}" in texts(at)
     # Where the KV came from, beside where TTFT went.
     sources = chart(at, "Where the prompt tokens' KV came from")
-    assert [t["x"][0] for t in sources["data"]] == [
+    assert [s["data"][0] for s in sources["series"]] == [
         acct.totals[f"{s}_tokens"] for s in ("device_hit", "host_loaded", "remote_loaded",
                                              "recomputed")]
-    # Failures, breaker and evictions on TTFT's time axis.
+    # Failures, breaker and evictions on TTFT's time axis (seconds since the run's start).
     inc = chart(at, "TTFT, failures, breaker and evictions on one time axis")
-    names = [t["name"] for t in inc["data"]]
-    assert names[:2] == ["TTFT p50", "TTFT p99"]
+    names = [s["name"] for s in inc["series"]]
+    assert names[:3] == ["TTFT p50", "TTFT p90", "TTFT p99"]
     assert {"failed requests", "requests with a failed load", "evicted blocks",
             "breaker open"} <= set(names)
-    assert any(s.get("type") == "rect" for s in inc["layout"]["shapes"])  # breaker shaded
-    over_time = chart(at, "TTFT percentiles over time")
-    assert [t["name"] for t in over_time["data"]] == ["ttft p50", "ttft p90", "ttft p99"]
-    assert len(over_time["data"][0]["x"]["bdata"] if isinstance(over_time["data"][0]["x"], dict)
-               else over_time["data"][0]["x"]) > 0
+    assert any(s.get("markArea", {}).get("data") for s in inc["series"])  # breaker shaded
+    origin = run.meta["start_ns"]
+    windows = summarize(partition(run.requests, run.spans), origin_ns=origin).windows
+    p99 = inc["series"][2]["data"]
+    assert [x for x, _ in p99] == list(windows["window_start_s"])
+    assert [y for _, y in p99] == pytest.approx(list(windows["ttft_p99_ns"] / 1e6))
     bars = chart(at, "Where TTFT went: mean by stage")
-    assert [t["name"] for t in bars["data"]] == ["lookup", "queue", "remote_read", "h2d",
-                                                 "sync", "prefill", "other"]
-    assert list(bars["data"][0]["x"]) == ["all", "slowest 1 % (≥ p99)", "hit class: cold",
-                                          "hit class: full", "hit class: partial"]
-    stages = table(at, "p99")
+    assert [s["name"] for s in bars["series"]] == ["lookup", "queue", "remote_read", "h2d",
+                                                   "sync", "prefill", "other"]
+    assert bars["xAxis"]["data"] == ["all", "slowest 1 % (≥ p99)", "hit class: cold",
+                                     "hit class: full", "hit class: partial"]
+    means = summary.stages.set_index("stage")["mean_ns"]
+    assert [s["data"][0] for s in bars["series"]] == pytest.approx(
+        [means[s] / 1e6 for s in ("lookup", "queue", "remote_read", "h2d", "sync", "prefill",
+                                  "other")], abs=1e-4)
+    stages = markdown_table(at, "p99")
     assert list(stages["stage"])[:7] == ["lookup", "queue", "remote_read", "h2d", "sync",
                                          "prefill", "other"]
     ttft_row = stages.loc[stages["stage"] == "ttft"].iloc[0]
@@ -192,7 +218,7 @@ def test_overview_groups_by_the_chosen_column(golden: Path) -> None:
     at = app([golden], "overview")
     at.radio(key="overview_group").set_value("tenant").run()
     assert not at.exception
-    assert list(chart(at, "Where TTFT went")["data"][0]["x"])[2:] == [
+    assert chart(at, "Where TTFT went")["xAxis"]["data"][2:] == [
         "tenant: acme", "tenant: globex"]
 
 

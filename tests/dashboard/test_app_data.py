@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 
 from agent.runstore import RunStoreWriter, open_run
 from agent.schema import TABLES, TTFT_STAGES
-from dashboard import data, figures
+from dashboard import data, echarts, figures
 from tests.conftest import GOLDEN_RUN
 
 
@@ -84,7 +85,16 @@ def test_golden_events_and_request_detail() -> None:
 def test_figures_draw_empty_inputs() -> None:
     empty_windows = pd.DataFrame(columns=["window_start_ns", "ttft_p50_ns", "ttft_p90_ns",
                                           "ttft_p99_ns"])
-    assert len(figures.ttft_over_time(empty_windows, origin_ns=0).data) == 3
+    no_incidents = pd.DataFrame(columns=["window_start_s", "failed_requests",
+                                         "failed_load_requests", "remote_errors",
+                                         "evicted_blocks"])
+    no_breaker = pd.DataFrame(columns=["op", "start_s", "end_s", "closed"])
+    inc = echarts.incidents(empty_windows, no_incidents, no_breaker, origin_ns=0).option
+    assert [s["name"] for s in inc["series"]] == [
+        "failed requests", "requests with a failed load", "remote operation errors",
+        "evicted blocks"]
+    assert all(s["data"] == [] for s in inc["series"])
+    json.dumps(inc, allow_nan=False)  # what st.echarts_chart sends: plain JSON
     samples = pd.DataFrame(columns=list(TABLES["samples"].names))
     fig = figures.hardware(empty_windows, samples, [], origin_ns=0)
     assert fig.layout.title.text == "Hardware and TTFT on one time axis"
@@ -101,20 +111,44 @@ def test_time_charts_count_seconds_from_the_runs_start() -> None:
     run = open_run(GOLDEN_RUN)
     origin = run.meta["start_ns"]
     windows = summarize(partition(run.requests, run.spans), origin_ns=origin).windows
-    fig = figures.ttft_over_time(windows, origin_ns=origin)
-    assert list(fig.data[0].x) == list(windows["window_start_s"])
-    assert fig.data[0].x[0] == 0.0 and fig.layout.xaxis.title.text == figures.TIME_AXIS
+    inc = data.incidents(str(GOLDEN_RUN), data.run_version(str(GOLDEN_RUN)))
+    chart = echarts.incidents(windows, inc.windows, inc.breaker, origin_ns=origin).option
+    p50 = chart["series"][0]
+    assert [x for x, _ in p50["data"]] == list(windows["window_start_s"])
+    assert p50["data"][0][0] == 0.0 and chart["xAxis"][2]["name"] == figures.TIME_AXIS
+    # Every row on one x range: the TTFT windows and the incident windows alike.
+    assert len({(a["min"], a["max"]) for a in chart["xAxis"]}) == 1
+    failed = next(s for s in chart["series"] if s["name"] == "failed requests")
+    assert [x for x, _ in failed["data"]] == pytest.approx(list(inc.windows["window_start_s"]))
+    assert [y for _, y in failed["data"]] == list(inc.windows["failed_requests"])
     ev = run.events
     hist = figures.event_counts(ev, title="e", origin_ns=origin)
     assert list(hist.data[0].x) == list((ev["ts_ns"].astype("int64") - origin) / 1e9)
 
 
 def test_stage_breakdown_stacks_every_stage_in_ms() -> None:
-    fig = figures.stage_breakdown({"all": {s: 1_000_000.0 * (i + 1)
-                                           for i, s in enumerate(TTFT_STAGES)}})
-    assert [t.name for t in fig.data] == list(TTFT_STAGES)
-    assert [float(t.y[0]) for t in fig.data] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
-    assert fig.layout.barmode == "stack"
+    groups = {"all": {s: 1_000_000.0 * (i + 1) for i, s in enumerate(TTFT_STAGES)},
+              "cold": {"queue": 2_500_000.0}}
+    opt = echarts.stage_breakdown(groups).option
+    assert [s["name"] for s in opt["series"]] == list(TTFT_STAGES)
+    assert [s["data"][0] for s in opt["series"]] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
+    assert {s["stack"] for s in opt["series"]} == {"ttft"}
+    # A stage a group lacks is a gap (null), not zero.
+    assert [s["data"][1] for s in opt["series"]] == [None, 2.5, None, None, None, None, None]
+    assert opt["xAxis"]["data"] == ["all", "cold"]
+    json.dumps(opt, allow_nan=False)
+
+
+def test_token_sources_bar_names_counts_and_shares() -> None:
+    opt = echarts.token_sources({"device_hit": 30, "host_loaded": 10, "remote_loaded": 0,
+                                 "recomputed": 60}, title="t").option
+    assert [s["name"] for s in opt["series"]] == [
+        "device hit: 30 (30.0 %)", "host loaded: 10 (10.0 %)", "remote loaded: 0 (0.0 %)",
+        "recomputed: 60 (60.0 %)"]
+    assert [s["data"] for s in opt["series"]] == [[30], [10], [0], [60]]
+    assert opt["xAxis"]["max"] == 100
+    empty = echarts.token_sources({}, title="t").option
+    assert empty["series"][0]["name"] == "device hit: 0"
 
 
 def test_waterfall_is_relative_to_arrival() -> None:
