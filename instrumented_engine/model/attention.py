@@ -1,4 +1,5 @@
-"""Attention over a paged KV cache, in plain torch ops (same code on CPU and CUDA).
+"""Attention over a paged KV cache, in torch ops (SDPA; on the CPU also the flash kernel behind
+it, which returns the log-sum-exp). The same code runs on CPU and CUDA.
 
 Each step packs the ragged batch into one flat token tensor (no padding): request i owns rows
 `[query_start[i], query_start[i+1])`. Per layer, every new token's K/V is first written into its
@@ -7,8 +8,15 @@ its block table. Writing the whole batch before any read means a request may rea
 batch-mate computes in this same step (a same-step prefix hit), as in vLLM.
 
 Single-token requests (decodes) are attended in one padded batch; padding is read-only (masked
-keys) and never writes KV. Longer chunks (prefills) are attended one request at a time with a
-causal mask offset by the request's history.
+keys) and never writes KV. Longer chunks (prefills) are attended one request at a time. A chunk
+that follows a prefix (cached blocks, or earlier chunks of its prompt) is split: every query sees
+every prefix key, so that part is unmasked attention; the chunk's own keys are plain causal
+attention. Both parts return their log-sum-exp and are merged exactly: with partial outputs
+o1, o2 and log-sum-exps l1, l2, the full softmax output is o2 + (o1 - o2) * sigmoid(l1 - l2).
+No dense mask is built and no masked-out score is computed. Where the split does not apply (a
+sliding-window layer whose window cuts into the context) or is not the default (other devices
+than the CPU, whose fused SDPA kernels take the mask) the chunk attends through a causal mask
+offset by its history.
 """
 
 from __future__ import annotations
@@ -28,8 +36,10 @@ class AttentionMetadata:
         slot_mapping: (T,) flat KV slot (block_id * block_size + offset) of every new token.
         prefill_rows: per multi-token request, (row_start, row_end) in the flat batch.
         prefill_ctx_slots: per multi-token request, (ctx,) slots of its whole context.
-        prefill_masks: per multi-token request, (n, ctx) bool mask, or None when the chunk is
-            the whole context (plain causal attention).
+        prefill_masks: per multi-token request, (n, ctx) bool mask, or None when no mask is
+            needed: plain causal attention over the chunk after `prefill_prefix` unmasked keys.
+        prefill_prefix: per multi-token request, the context keys before the chunk that every
+            query sees (0: the chunk is the whole context); only read where the mask is None.
         decode_rows: (D,) flat rows of single-token requests.
         decode_ctx_slots: (D, max_ctx) slots of each decode's context, padded with slot 0.
         decode_mask: (D, 1, 1, max_ctx) bool, True where a key is real.
@@ -39,6 +49,7 @@ class AttentionMetadata:
     prefill_rows: list[tuple[int, int]]
     prefill_ctx_slots: list[torch.Tensor]
     prefill_masks: list[torch.Tensor | None]
+    prefill_prefix: list[int]
     decode_rows: torch.Tensor | None
     decode_ctx_slots: torch.Tensor | None
     decode_mask: torch.Tensor | None
@@ -51,6 +62,7 @@ def build_metadata(
     block_size: int,
     device: torch.device,
     window: int | None = None,
+    split_prefix: bool | None = None,
 ) -> AttentionMetadata:
     """Attention metadata of one ragged batch.
 
@@ -63,16 +75,24 @@ def build_metadata(
         window: for a sliding-window layer group, the tokens a query sees (itself and the
             `window - 1` before it); only those keys are gathered, so the blocks before them
             may be gone from the block table.
+        split_prefix: attend a chunk that follows a prefix as unmasked attention over the
+            prefix plus causal attention over the chunk, merged by log-sum-exp (no mask).
+            None: on the CPU, where the flash kernel returns the log-sum-exp; True: on any
+            device (plain ops where that kernel is missing); False: a dense mask (the
+            reference the split is tested against).
 
     Returns:
         The metadata; `slot_mapping` covers exactly sum(query_lens) rows.
     """
+    if split_prefix is None:
+        split_prefix = device.type == "cpu" and _HAVE_LSE_KERNEL
     # Index arithmetic in numpy (cheap for small arrays), one transfer per tensor.
     offsets = np.arange(block_size, dtype=np.int64)
     new_slots: list[np.ndarray] = []
     prefill_rows: list[tuple[int, int]] = []
     prefill_slots: list[torch.Tensor] = []
     prefill_masks: list[torch.Tensor | None] = []
+    prefill_prefix: list[int] = []
     dec_rows: list[int] = []
     dec_slots: list[np.ndarray] = []
     row = 0
@@ -90,9 +110,13 @@ def build_metadata(
         else:
             prefill_rows.append((row, row + n))
             prefill_slots.append(torch.from_numpy(ctx_slots).to(device))
-            if n == ctx and (window is None or ctx <= window):
+            # The window cuts nothing when the whole context fits in it.
+            unwindowed = window is None or ctx <= window
+            if unwindowed and (n == ctx or split_prefix):
                 prefill_masks.append(None)
+                prefill_prefix.append(ctx - n)
             else:
+                prefill_prefix.append(0)
                 # Query j sits at position ctx - n + j and sees keys lo..ctx - n + j (within
                 # the window, when there is one).
                 q_pos = np.arange(ctx - n, ctx)[:, None]
@@ -105,7 +129,7 @@ def build_metadata(
     slot_mapping = torch.from_numpy(np.concatenate(new_slots)).to(device)
     if not dec_rows:
         return AttentionMetadata(slot_mapping, prefill_rows, prefill_slots, prefill_masks,
-                                 None, None, None)
+                                 prefill_prefix, None, None, None)
     lens = np.array([len(s) for s in dec_slots])
     max_ctx = int(lens.max())
     padded = np.zeros((len(dec_slots), max_ctx), dtype=np.int64)  # pad with slot 0: read only
@@ -113,9 +137,69 @@ def build_metadata(
         padded[i, : len(s)] = s
     mask = (np.arange(max_ctx)[None, :] < lens[:, None])[:, None, None, :]  # (D, 1, 1, max_ctx)
     return AttentionMetadata(slot_mapping, prefill_rows, prefill_slots, prefill_masks,
-                             torch.tensor(dec_rows, device=device),
+                             prefill_prefix, torch.tensor(dec_rows, device=device),
                              torch.from_numpy(padded).to(device),
                              torch.from_numpy(mask).to(device))
+
+
+#: Flash attention on the CPU, returning (output, log-sum-exp): the output equals SDPA's, and the
+#: log-sum-exp (float32, or float64 for float64 inputs) is what merging two key sets needs.
+_LSE_KERNEL = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_HAVE_LSE_KERNEL = _LSE_KERNEL is not None
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention and its log-sum-exp over keys.
+
+    Args:
+        q: (1, nh, n, hd) queries.
+        k, v: (1, nkv, s, hd) keys/values; nkv divides nh (query head h reads kv head
+            h // (nh / nkv)).
+        causal: query i sees keys 0..i only (top-left aligned; used with s == n).
+
+    Returns:
+        (1, nh, n, hd) output in q's dtype, (1, nh, n) natural-log log-sum-exp of the scaled
+        scores (float32; float64 for float64 inputs). CPU tensors use the flash kernel; others
+        an explicit softmax (exact, but it holds the (n, s) scores).
+    """
+    global _LSE_KERNEL
+    if _LSE_KERNEL is not None and q.device.type == "cpu":
+        try:
+            out, lse = _LSE_KERNEL(q, k, v, 0.0, causal)
+            return out, lse
+        except (TypeError, RuntimeError, ValueError):
+            # A private op: should a torch release change its signature, use plain ops
+            # from then on (exact, slower) rather than fail the forward.
+            _LSE_KERNEL = None
+    return _attention_with_lse_math(q, k, v, causal)
+
+
+def _attention_with_lse_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attention_with_lse` in plain ops, in float32 (float64 for float64 inputs)."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    g = q.shape[1] // k.shape[1]
+    kf = k.to(acc).repeat_interleave(g, 1)
+    vf = v.to(acc).repeat_interleave(g, 1)
+    s = (q.to(acc) @ kf.transpose(-1, -2)) * q.shape[-1] ** -0.5  # (1, nh, n, s)
+    if causal:
+        n, m = s.shape[-2], s.shape[-1]
+        above = torch.ones(n, m, dtype=torch.bool, device=s.device).triu(1)
+        s = s.masked_fill(above, float("-inf"))
+    lse = s.logsumexp(-1)
+    out = (torch.exp(s - lse.unsqueeze(-1)) @ vf).to(q.dtype)
+    return out, lse
+
+
+def merge_by_lse(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
+                 lse2: torch.Tensor) -> torch.Tensor:
+    """The attention output over the union of two disjoint key sets, from each set's output
+    (..., n, hd) and log-sum-exp (..., n). Computed in the log-sum-exp's precision, returned in
+    the outputs' dtype."""
+    w1 = torch.sigmoid(lse1 - lse2).unsqueeze(-1)  # share of the first set's softmax mass
+    a, b = o1.to(w1.dtype), o2.to(w1.dtype)
+    return torch.addcmul(b, a - b, w1).to(o1.dtype)
 
 
 def paged_attention(
@@ -143,13 +227,20 @@ def paged_attention(
     k_flat.index_copy_(0, meta.slot_mapping, k)
     v_flat.index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
-    for (lo, hi), slots, mask in zip(meta.prefill_rows, meta.prefill_ctx_slots,
-                                     meta.prefill_masks, strict=True):
+    for (lo, hi), slots, mask, pre in zip(meta.prefill_rows, meta.prefill_ctx_slots,
+                                          meta.prefill_masks, meta.prefill_prefix, strict=True):
         qs = q[lo:hi].transpose(0, 1).unsqueeze(0)  # (1, nh, n, hd)
         ks = k_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # (1, nkv, ctx, hd)
         vs = v_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None,
-                                           enable_gqa=True)  # (1, nh, n, hd)
+        if mask is None and pre > 0:
+            # Unmasked over the prefix, causal over the chunk, merged by log-sum-exp.
+            o_pre, lse_pre = attention_with_lse(qs, ks[:, :, :pre], vs[:, :, :pre], False)
+            o_new, lse_new = attention_with_lse(qs, ks[:, :, pre:], vs[:, :, pre:], True)
+            o = merge_by_lse(o_pre, lse_pre, o_new, lse_new)
+        else:
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask,
+                                               is_causal=mask is None,
+                                               enable_gqa=True)  # (1, nh, n, hd)
         out[lo:hi] = o[0].transpose(0, 1)
     if meta.decode_rows is not None:
         assert meta.decode_ctx_slots is not None
