@@ -9,7 +9,7 @@ their turn, as a load path that serialises requests does);
 `FaultyRemote` applies it around a raw store, below the resilience layer, so injected faults
 travel the same classification, retry and breaker paths as real ones. It exposes only the
 batched `read_many`, so reads under injection take the copy path even for a file store (the
-in-place `read_into` path would bypass corruption).
+in-place `read_into_many` path would bypass corruption).
 """
 
 from __future__ import annotations

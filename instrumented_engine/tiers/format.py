@@ -3,8 +3,8 @@
 A block object holds one block's K and V for every layer, as a contiguous tensor shaped
 (num_layers, 2, block_size, num_kv_heads, head_dim) — `BlockLayout.payload_shape`. The same
 bytes live in a file of the file store and in a Redis value, so a load is a read, a header
-check, one pass of the tag over the bytes and at most one copy (files are read straight into the
-destination block).
+check, one pass of the tag over the bytes and at most one copy (files and Redis values are read
+straight into the destination block: `ChainCheck`).
 
 Every object carries its own key and is checked against the key it was fetched for, so a
 valid object stored under another key (two values swapped, a file copied over another) is
@@ -54,6 +54,7 @@ _FIELDS = struct.Struct("<8sHHII5IQII8s32s32s")
 _KEY_AT, _DIGEST_AT, _NS_AT, _RESERVED_AT, _TAG_AT = 56, 64, 96, 128, 160
 _ZEROS = bytes(_TAG_AT - _RESERVED_AT)
 _NO_KEY = bytes(8)
+_TAG_ZEROS = bytes(HEADER_SIZE - _TAG_AT - 8)  # an xxh3 tag's unused bytes
 assert _FIELDS.size == _RESERVED_AT and HEADER_SIZE == _TAG_AT + 32
 
 DTYPE_CODES: dict[torch.dtype, int] = {
@@ -337,6 +338,59 @@ def check_split(header: bytes | bytearray, body: np.ndarray, total: int, layout:
     """
     _verify(memoryview(header)[:min(total, HEADER_SIZE)], body, total, layout, digest,
             namespace, key)
+
+
+class ChainCheck:
+    """`check_split` for the objects of one chain read in place, one call per object (right
+    after it is read, while its bytes are in cache): the same checks, with the expected
+    header's fixed part (layout, mode, key id, namespace) built once per chain.
+
+    Calling it returns None when the object is usable, else the `CorruptObject` it failed
+    with.
+    """
+
+    __slots__ = ("exact", "key", "layout", "lead", "mac_key", "namespace", "tail")
+
+    def __init__(self, layout: BlockLayout, namespace: bytes, key: ObjectKey | None) -> None:
+        fixed = _expected_head(layout, bytes(32), namespace, key)
+        self.lead, self.tail = fixed[:_DIGEST_AT], fixed[_NS_AT:]
+        self.layout, self.namespace, self.key = layout, namespace, key
+        self.exact = layout.object_bytes
+        self.mac_key = key.mac_key if key is not None else None
+
+    def __call__(self, head: memoryview, body: np.ndarray, total: int, digest: bytes
+                 ) -> CorruptObject | None:
+        want = b"".join((self.lead, digest, self.tail))
+        if total == self.exact and head[:_TAG_AT] == want:
+            # `_tag`, inline: every header byte is as it must be; does the tag hold?
+            if self.mac_key is not None:
+                h = blake3.blake3(want, key=self.mac_key)
+                h.update(body)
+                if head[_TAG_AT:HEADER_SIZE] == h.digest():
+                    return None
+            else:
+                x = xxhash.xxh3_64(want)
+                x.update(body)
+                if int.from_bytes(head[_TAG_AT:_TAG_AT + 8], "little") == x.intdigest() \
+                        and head[_TAG_AT + 8:HEADER_SIZE] == _TAG_ZEROS:
+                    return None
+        try:
+            _verify(head[:min(total, HEADER_SIZE)], body, total, self.layout, digest,
+                    self.namespace, self.key)
+        except CorruptObject as e:
+            return e
+        return None  # (not reached: the fast path accepts all that _verify accepts)
+
+
+def check_many(headers: Sequence[memoryview], bodies: Sequence[np.ndarray],
+               totals: Sequence[int | None], layout: BlockLayout, digests: Sequence[bytes],
+               namespace: bytes, key: ObjectKey | None = None) -> list[CorruptObject | None]:
+    """`ChainCheck` over a chain already read: per block None when its object is usable
+    (or its total is None — not stored: the caller counts it as evicted), else the
+    `CorruptObject` it failed with."""
+    check = ChainCheck(layout, namespace, key)
+    return [None if total is None else check(head, body, total, digest)
+            for head, body, total, digest in zip(headers, bodies, totals, digests, strict=True)]
 
 
 def decode_into(data: bytes | bytearray | memoryview, layout: BlockLayout, digest: bytes,

@@ -301,11 +301,11 @@ class ResilientRemote:
         layout = self.layout
         key = self.key
 
-        read_in_place = getattr(self.store, "read_into", None)
+        read_in_place = getattr(self.store, "read_into_many", None)
         read_views = getattr(self.store, "read_views", None)
 
         def op() -> tuple[list[str | None], int]:
-            if read_in_place is not None:
+            if read_in_place is not None:  # files, Redis: payloads land in `rows` directly
                 return self._read_in_place(read_in_place, block_hashes, namespace, rows)
             objs: Sequence[bytes | memoryview | None]
             if read_views is not None:  # views of the store's read buffer (Mooncake)
@@ -351,29 +351,33 @@ class ResilientRemote:
                    transfer_id, request_num)
         return res
 
-    def _read_in_place(self, read_in_place: Callable[..., int | None],
+    def _read_in_place(self, read_in_place: Callable[..., list[int | None]],
                        block_hashes: Sequence[bytes], namespace: bytes,
                        dests: Sequence[np.ndarray]) -> tuple[list[str | None], int]:
-        """Stores that can read into a buffer (files): each payload lands in its destination
-        with no intermediate copy. A failed block's destination then holds whatever was read
-        (the caller discards failed blocks anyway)."""
-        header = bytearray(fmt.HEADER_SIZE)
-        statuses: list[str | None] = []
+        """Stores that read into caller buffers (`read_into_many`: files, Redis): the whole
+        chain in one call, each payload straight into its destination with no intermediate
+        copy, and each object checked against its key and tag as soon as it is read (its
+        bytes still in cache). A failed block's destination then holds whatever was read (the
+        caller discards failed blocks anyway)."""
+        header = memoryview(bytearray(fmt.HEADER_SIZE))  # one: each is checked before the next
+        check = fmt.ChainCheck(self.layout, namespace, self.key)
+        statuses: list[str | None] = ["evicted"] * len(block_hashes)
+        cap = self.layout.object_bytes
         nbytes = 0
-        for h, dest in zip(block_hashes, dests, strict=True):
-            body = dest
-            total = read_in_place(h, header, body)
+
+        def on_read(i: int, total: int | None) -> None:
+            nonlocal nbytes
             if total is None:
-                statuses.append("evicted")
-                continue
-            nbytes += min(total, self.layout.object_bytes)
-            try:
-                fmt.check_split(header, body, total, self.layout, h, namespace, self.key)
-            except fmt.CorruptObject as e:
-                self.stats.add(f"corrupt_{e.reason}")
-                statuses.append(e.failure)
-                continue
-            statuses.append(LOADED)
+                return
+            nbytes += min(total, cap)
+            bad = check(header, dests[i], total, block_hashes[i])
+            if bad is None:
+                statuses[i] = LOADED
+            else:
+                self.stats.add(f"corrupt_{bad.reason}")
+                statuses[i] = bad.failure
+
+        read_in_place(block_hashes, [header] * len(block_hashes), dests, on_read)
         return statuses, nbytes
 
     def write(self, block_hash: bytes, namespace: bytes, payload: torch.Tensor) -> str | None:

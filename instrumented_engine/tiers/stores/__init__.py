@@ -6,6 +6,13 @@ gives the bytes): `file://DIR` (`stores.file`, the embedded default), `redis://H
 A store raises on failure; classifying failures, deadlines, retries and the circuit breaker
 live in `tiers.remote.ResilientRemote`, which wraps any store, and fault injection in
 `tiers.faults`. Importing this package imports neither redis nor mooncake.
+
+Stores may also offer `read_into_many(block_hashes, headers, payloads, on_read=None) ->
+list[int | None]` (files, Redis): a chain read in place, each object's header into a header
+buffer and its payload straight into a destination block, `on_read(i, length)` called after
+each object (None: not stored) before the next is read — the resilience layer checks the
+object there (`format.ChainCheck`), while its bytes are in cache. Without it, reads go through
+`read_many` (or Mooncake's `read_views`) and one copy.
 """
 
 from __future__ import annotations

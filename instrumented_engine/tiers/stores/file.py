@@ -5,21 +5,29 @@ thousand entries at realistic sizes. A write goes to a unique temporary name in 
 subdirectory and is published with `os.replace` (atomic rename on POSIX), so a reader sees a
 complete object or none — also when the writer is killed mid-write (the temporary file stays
 behind, never under a digest's name; `sweep_temporaries` removes them).
+
+`lookup` checks existence by opening: the descriptors it opened are kept (a small bounded set)
+for the read that follows it, so a read of a looked-up chain resolves no path again — it reads
+the very objects the lookup found (a snapshot: an object replaced or removed in between is read
+as it was found, and is still checked against its key like any other).
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from itertools import count
 from pathlib import Path
 
 import numpy as np
 
-from instrumented_engine.tiers.stores import RemoteError, chain_lookup
+from instrumented_engine.tiers.stores import RemoteError
 
 _TMP_SUFFIX = ".tmp"
+#: Descriptors opened by lookups kept for their reads (the oldest are closed beyond it).
+_MAX_HELD = 256
 
 
 def _mkdir_failure(root: Path, exc: OSError) -> str:
@@ -43,13 +51,15 @@ class FileStore:
     Args:
         root: the directory (created when absent).
         durable: fsync each object before publishing it (survives power loss; slower).
-        lookup_batch: digests probed per batch by `lookup`.
+        lookup_batch: unused since `lookup` opens along the chain and stops at its first
+            miss (accepted so existing callers keep working).
+        max_held: descriptors opened by `lookup` kept open for the read that follows it.
     """
 
     name = "remote"
 
     def __init__(self, root: str | os.PathLike[str], *, durable: bool = False,
-                 lookup_batch: int = 64) -> None:
+                 lookup_batch: int = 64, max_held: int = _MAX_HELD) -> None:
         self.root = Path(root)
         try:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -62,6 +72,10 @@ class FileStore:
         self._seq = count()
         self._made: set[str] = set()
         self._lock = threading.Lock()
+        self.max_held = max_held
+        #: digest -> a descriptor `lookup` opened on its object, not yet read (oldest first).
+        self._held: OrderedDict[bytes, int] = OrderedDict()
+        self._held_lock = threading.Lock()
 
     def path(self, block_hash: bytes) -> Path:
         """Where the object of `block_hash` is published."""
@@ -76,7 +90,48 @@ class FileStore:
         return [os.path.exists(self._path(h)) for h in block_hashes]
 
     def lookup(self, block_hashes: Sequence[bytes], start: int = 0) -> int:
-        return chain_lookup(self, block_hashes, start, self.lookup_batch)
+        """Contiguous objects from `start` on, found by opening them; the descriptors are held
+        for the read of the chain (`read_into_many`), so it does not look them up again."""
+        n = 0
+        opened: list[tuple[bytes, int]] = []
+        held = self._held
+        try:
+            for h in block_hashes[start:]:
+                if h in held:  # an earlier lookup holds it open, unread: found
+                    n += 1
+                    continue
+                try:
+                    fd = os.open(self._path(h), os.O_RDONLY)
+                except FileNotFoundError:
+                    break
+                opened.append((h, fd))
+                n += 1
+        except OSError as e:
+            for _, fd in opened:
+                os.close(fd)
+            raise RemoteError(f"lookup: {e}") from e
+        if opened:
+            self._hold(opened)
+        return n
+
+    def _hold(self, opened: list[tuple[bytes, int]]) -> None:
+        extra: list[int] = []
+        with self._held_lock:
+            held = self._held
+            for h, fd in opened:
+                old = held.pop(h, None)
+                if old is not None:  # a concurrent lookup of the same object: keep one
+                    extra.append(old)
+                held[h] = fd
+            while len(held) > self.max_held:
+                extra.append(held.popitem(last=False)[1])
+        for fd in extra:
+            os.close(fd)
+
+    def _take(self, block_hash: bytes) -> int | None:
+        """The descriptor a lookup holds for `block_hash` (now the caller's), or None."""
+        with self._held_lock:
+            return self._held.pop(block_hash, None)
 
     def read_many(self, block_hashes: Sequence[bytes]) -> list[bytes | None]:
         out: list[bytes | None] = []
@@ -90,7 +145,8 @@ class FileStore:
                 raise RemoteError(f"read {h.hex()}: {e}") from e
         return out
 
-    def read_into(self, block_hash: bytes, header: bytearray, payload: np.ndarray) -> int | None:
+    def read_into(self, block_hash: bytes, header: bytearray | memoryview, payload: np.ndarray
+                  ) -> int | None:
         """Read one object in place: its header into `header`, its payload straight into
         `payload` (a destination block's bytes), with one readv and no intermediate copy.
 
@@ -98,12 +154,14 @@ class FileStore:
             The object's length as read (capped at len(header) + payload.size + 1, so a longer
             object shows), or None when it is not stored.
         """
-        try:
-            fd = os.open(self._path(block_hash), os.O_RDONLY)
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            raise RemoteError(f"read {block_hash.hex()}: {e}") from e
+        fd = self._take(block_hash) if self._held else None
+        if fd is None:
+            try:
+                fd = os.open(self._path(block_hash), os.O_RDONLY)
+            except FileNotFoundError:
+                return None
+            except OSError as e:
+                raise RemoteError(f"read {block_hash.hex()}: {e}") from e
         try:
             tail = bytearray(1)
             # NOTE: a regular file reads short only at its end (or when a call is
@@ -118,6 +176,62 @@ class FileStore:
             raise RemoteError(f"read {block_hash.hex()}: {e}") from e
         finally:
             os.close(fd)
+
+    def read_into_many(self, block_hashes: Sequence[bytes], headers: Sequence[memoryview],
+                       payloads: Sequence[np.ndarray],
+                       on_read: Callable[[int, int | None], None] | None = None
+                       ) -> list[int | None]:
+        """`read_into` for a whole chain in one call: each object's header into its
+        `headers` entry, its payload straight into its `payloads` entry (one readv each, on
+        the descriptor the chain's lookup opened when it holds one).
+
+        Args:
+            on_read: called as `on_read(i, length)` once block i is read, before the next
+                one is (its bytes are still in cache, and `headers` may share one buffer).
+
+        Returns:
+            Per block the object's length as read (as `read_into`), None when not stored.
+        """
+        fds: list[int | None]
+        if self._held:
+            with self._held_lock:
+                pop = self._held.pop
+                fds = [pop(h, None) for h in block_hashes]
+        else:
+            fds = [None] * len(block_hashes)
+        out: list[int | None] = []
+        tail = bytearray(1)
+        root = self._root
+        i = 0
+        try:
+            for i, (h, fd, header, payload) in enumerate(zip(block_hashes, fds, headers,
+                                                             payloads, strict=True)):
+                n: int | None = None
+                if fd is None:
+                    x = h.hex()
+                    try:
+                        fd = os.open(f"{root}/{x[:2]}/{x}", os.O_RDONLY)
+                    except FileNotFoundError:
+                        fd = None
+                fds[i] = None
+                if fd is not None:
+                    try:
+                        n = os.readv(fd, (header, payload, tail))
+                        if 0 < n < len(header) + payload.size:
+                            n += _read_rest(fd, [memoryview(header), memoryview(payload),
+                                                 memoryview(tail)], n)
+                    finally:
+                        os.close(fd)
+                out.append(n)
+                if on_read is not None:
+                    on_read(i, n)
+        except OSError as e:
+            raise RemoteError(f"read {block_hashes[i].hex()}: {e}") from e
+        finally:
+            for fd in fds[i:]:  # held descriptors of the blocks not read
+                if fd is not None:
+                    os.close(fd)
+        return out
 
     def write(self, block_hash: bytes, data: bytes) -> None:
         final = self.path(block_hash)
@@ -184,7 +298,12 @@ class FileStore:
         return n
 
     def close(self) -> None:
-        pass
+        """Close the descriptors held for reads that did not come."""
+        with self._held_lock:
+            fds = list(self._held.values())
+            self._held.clear()
+        for fd in fds:
+            os.close(fd)
 
 
 def _read_rest(fd: int, views: list[memoryview], done: int) -> int:

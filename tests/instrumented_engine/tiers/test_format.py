@@ -192,3 +192,41 @@ def test_gather_and_scatter_match_device_layout(layout: BlockLayout) -> None:
         fmt.scatter_layer(kv, 4, p, layer)
     for k, v in kv:
         assert torch.equal(k[4], k[2]) and torch.equal(v[4], v[2])
+
+
+@pytest.mark.parametrize("key", [None, KEY])
+def test_check_many_decides_as_check_split(layout: BlockLayout, key: ObjectKey | None) -> None:
+    """The chain check (in-place reads) accepts and refuses exactly what `check_split` does,
+    with the same reason, object by object."""
+    good = fmt.encode(layout, D0, NS, payload(layout, 0), key)
+    flipped_body, flipped_tag = bytearray(good), bytearray(good)
+    flipped_body[fmt.HEADER_SIZE + 3] ^= 1
+    flipped_tag[170] ^= 1
+    cases = [good, bytes(flipped_body), bytes(flipped_tag), good[:-1], good + b"x", good[:100],
+             b"", fmt.encode(layout, D1, NS, payload(layout, 0), key),  # another block's
+             fmt.encode(layout, D0, bytes(32), payload(layout, 0), key),  # another namespace
+             fmt.encode(layout, D0, NS, payload(layout, 0), OTHER_KEY),
+             fmt.encode(layout, D0, NS, payload(layout, 0), None if key else KEY),
+             fmt.MAGIC_V1 + good[8:]]
+    headers, bodies, totals = [], [], []
+    expected: list[str | None] = []
+    for data in cases:
+        head = bytearray(fmt.HEADER_SIZE)
+        body = np.zeros(layout.payload_bytes, dtype=np.uint8)
+        n = min(len(data), fmt.HEADER_SIZE)
+        head[:n] = data[:n]
+        rest = data[fmt.HEADER_SIZE:fmt.HEADER_SIZE + layout.payload_bytes]
+        body[:len(rest)] = np.frombuffer(rest, dtype=np.uint8)
+        try:
+            fmt.check_split(head, body, len(data), layout, D0, NS, key)
+            expected.append(None)
+        except CorruptObject as e:
+            expected.append(e.reason)
+        headers.append(memoryview(head))
+        bodies.append(body)
+        totals.append(len(data))
+    got = fmt.check_many([*headers, memoryview(bytearray(fmt.HEADER_SIZE))],
+                         [*bodies, bodies[0]], [*totals, None], layout,
+                         [D0] * (len(cases) + 1), NS, key)
+    assert [None if e is None else e.reason for e in got] == [*expected, None]
+    assert expected[0] is None and all(r is not None for r in expected[1:])

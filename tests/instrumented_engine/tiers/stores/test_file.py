@@ -155,3 +155,37 @@ def test_open_remote_urls(tmp_path: Path) -> None:
         with pytest.raises(InputError, match=msg) as e:
             open_remote(bad)
         assert "--remote" in str(e.value)
+
+
+def test_lookup_hands_its_descriptors_to_the_read(layout: BlockLayout, tmp_path: Path) -> None:
+    store = FileStore(tmp_path, max_held=3)
+    hs = chain(5)
+    for i, h in enumerate(hs):
+        store.write(h, fmt.encode(layout, h, NS, payload(layout, i)))
+    remote = ResilientRemote(store, layout)
+    assert remote.lookup(hs[:3], 0) == 3
+    # The read uses what the lookup opened: no path is resolved again, so the objects the
+    # lookup found are read even once their names are gone (a snapshot) ...
+    for h in hs[:2]:
+        os.unlink(store.path(h))
+    # ... and an object changed in place after the lookup is still checked like any other.
+    with open(store.path(hs[2]), "r+b") as f:
+        f.write(fmt.encode(layout, hs[3], NS, payload(layout, 3)))  # another block's object
+    dests = [torch.zeros(layout.payload_shape, dtype=layout.dtype) for _ in hs[:3]]
+    res = remote.read_into(hs[:3], NS, dests)
+    assert res.statuses == [None, None, "mismatch"]
+    assert remote.stats.get("corrupt_digest") == 1
+    for i in range(2):
+        assert torch.equal(dests[i].view(torch.uint8), payload(layout, i).view(torch.uint8))
+    assert len(store._held) == 0  # taken by the read, closed after it
+    assert remote.lookup(hs, 0) == 0  # the first two are gone now
+    # Held descriptors are bounded (the oldest closed) and closed with the store.
+    assert store.lookup(hs, 3) == 2 and store.lookup(hs[:3], 2) == 1
+    assert len(store._held) == 3
+    store.write(hs[0], fmt.encode(layout, hs[0], NS, payload(layout, 0)))
+    assert store.lookup(hs[:1], 0) == 1 and len(store._held) == 3
+    # A read of blocks nobody looked up opens them by name, missing ones are evicted.
+    res = remote.read_into([hs[1], hs[4]], NS, dests[:2])
+    assert res.statuses == ["evicted", None]
+    remote.close()
+    assert len(store._held) == 0

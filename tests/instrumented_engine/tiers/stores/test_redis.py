@@ -1,8 +1,12 @@
 from __future__ import annotations
 
 import json
+import socket
 import struct
+import threading
 
+import pytest
+import redis
 import torch
 import xxhash
 
@@ -11,7 +15,7 @@ from instrumented_engine.tiers import format as fmt
 from instrumented_engine.tiers.breaker import BreakerConfig
 from instrumented_engine.tiers.format import BlockLayout
 from instrumented_engine.tiers.remote import ResilienceConfig, ResilientRemote
-from instrumented_engine.tiers.stores import open_remote
+from instrumented_engine.tiers.stores import RemoteError, RemoteTimeout, open_remote
 from instrumented_engine.tiers.stores.redis import RedisStore, key
 from tests.instrumented_engine.tiers.conftest import NS, RedisServer, chain, payload
 
@@ -71,7 +75,9 @@ def test_corruption_and_swaps_in_redis_are_detected(layout: BlockLayout,
         "corrupt_checksum": 1, "corrupt_truncated": 1, "corrupt_namespace": 1,
         "corrupt_version": 1, "corrupt_digest": 2}
     assert remote.stats.outcome_counts() == {("read", "checksum"): 1, ("write", "ok"): 7}
-    assert not any(d.view(torch.uint8).any() for d in dests[1:])
+    # Values are read in place: a failed block's destination holds what was read (callers
+    # discard failed blocks); the block that loaded is bit-exact.
+    assert torch.equal(dests[0].view(torch.uint8), payload(layout, 0).view(torch.uint8))
     remote.close()
 
 
@@ -106,4 +112,112 @@ def test_server_killed_mid_sequence(layout: BlockLayout, redis_server: RedisServ
               for e in rec.drain()["events"].to_pylist()]
     assert events == [("circuit_open", "write"), ("circuit_close", "write")]
     assert remote.breaker_open_ns()["write"] == 10_000_000_000
+    remote.close()
+
+
+def test_in_place_reads_stay_in_step_over_odd_values(layout: BlockLayout,
+                                                     redis_server: RedisServer) -> None:
+    # Database 3 (the store's own connections SELECT it too), MGETs of 2 keys pipelined.
+    store = RedisStore("127.0.0.1", redis_server.port, 3, read_batch=2)
+    remote = ResilientRemote(store, layout)
+    hs = chain(9)
+    for i, h in enumerate(hs):
+        remote.write(h, NS, payload(layout, i))
+    r = redis.Redis(host="127.0.0.1", port=redis_server.port, db=3)
+    assert r.dbsize() == 9 and redis_server.client().dbsize() == 0
+    obj = r.get(key(hs[1]))
+    r.set(key(hs[1]), obj + b"\r\n$5\r\nextra")  # longer, with RESP-looking bytes inside
+    r.set(key(hs[2]), obj[:50])  # shorter than a header
+    r.set(key(hs[3]), b"")
+    r.delete(key(hs[4]))
+    r.set(key(hs[5]), obj[:fmt.HEADER_SIZE])  # a header alone
+    headers = [memoryview(bytearray(fmt.HEADER_SIZE)) for _ in hs]
+    rows = [fmt.byte_view(d) for d in _dests(layout, 9)]
+    assert store.read_into_many(hs, headers, rows) == [
+        layout.object_bytes, layout.object_bytes + 11, 50, 0, None, fmt.HEADER_SIZE,
+        layout.object_bytes, layout.object_bytes, layout.object_bytes]
+    dests = _dests(layout, 9)
+    res = remote.read_into(hs, NS, dests)
+    assert res.statuses == [None, "checksum", "checksum", "checksum", "evicted", "checksum",
+                            None, None, None]
+    assert {k: v for k, v in remote.stats.counters.items() if k.startswith("corrupt_")} == {
+        "corrupt_length": 1, "corrupt_truncated": 3}
+    for i in (0, 6, 7, 8):  # the values after the odd ones were read in step
+        assert torch.equal(dests[i].view(torch.uint8), payload(layout, i).view(torch.uint8))
+    assert remote.lookup(hs, 0) == 4 and remote.lookup(hs, 5) == 4
+    remote.close()
+
+
+class _FakeServer:
+    """A loopback listener that answers each connection's first command with `reply` and
+    then closes it (or, with `reply` None, reads and never answers)."""
+
+    def __init__(self, reply: bytes | None) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.reply = reply
+        self.accepted = 0
+        self._conns: list[socket.socket] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            self._conns.append(c)
+            c.recv(65536)
+            if self.reply is not None:
+                c.sendall(self.reply)
+                c.close()
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self._conns:
+            c.close()
+
+
+def test_silent_server_times_out_and_reset_mid_reply_is_an_error(layout: BlockLayout) -> None:
+    silent = _FakeServer(None)
+    try:
+        store = RedisStore("127.0.0.1", silent.port, 0, timeout_s=0.2)
+        header, row = memoryview(bytearray(fmt.HEADER_SIZE)), fmt.byte_view(_dests(layout, 1)[0])
+        with pytest.raises(RemoteTimeout):
+            store.read_into_many(chain(1), [header], [row])
+        remote = ResilientRemote(store, layout, ResilienceConfig(timeout_s=5.0))
+        assert remote.lookup(chain(2), 0) == 0
+        assert remote.stats.get("lookup_failed_timeout") == 1
+        assert remote.read_into(chain(2), NS, _dests(layout, 2)).statuses == ["timeout"] * 2
+        remote.close()
+    finally:
+        silent.close()
+    # Half a value, then the connection drops: an error, and that connection is not reused.
+    cut = _FakeServer(b"*1\r\n$%d\r\n" % layout.object_bytes + bytes(300))
+    try:
+        store = RedisStore("127.0.0.1", cut.port, 0, timeout_s=2.0)
+        for _ in range(2):
+            with pytest.raises(RemoteError, match="closed"):
+                store.read_into_many(chain(1), [header], [row])
+        assert cut.accepted == 2
+        store.close()
+    finally:
+        cut.close()
+
+
+def test_idle_connection_of_a_restarted_server_is_not_used(layout: BlockLayout,
+                                                           redis_server: RedisServer) -> None:
+    remote = ResilientRemote(open_remote(redis_server.url), layout,
+                             ResilienceConfig(retries=0))
+    hs = chain(2)
+    assert remote.write(hs[0], NS, payload(layout, 0)) is None
+    assert remote.lookup(hs, 0) == 1  # leaves an idle connection behind
+    redis_server.kill()
+    redis_server.restart()
+    assert remote.write(hs[0], NS, payload(layout, 0)) is None
+    # No retries: the first attempt must not run on the dead server's connection.
+    assert remote.lookup(hs, 0) == 1
+    assert remote.read_into(hs[:1], NS, _dests(layout, 1)).statuses == [None]
+    assert remote.stats.failures == {}
     remote.close()
