@@ -26,7 +26,6 @@ Rules it applies (the same ones the engine documents, re-derived here):
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,40 +105,62 @@ def kv_bytes_per_block_of(meta: dict[str, Any]) -> int | None:
     return None
 
 
-def _overlap(a0: int, a1: int, b0: int, b1: int) -> int:
-    return max(0, min(a1, b1) - max(a0, b0))
+#: Ledger row names the recomputation reads (`failed_<reason>` rows are told by their prefix).
+_LOOKUP, _DEVICE_HIT, _LOAD, _FAILED, _PREEMPTED, _ABANDONED, _WRITE = range(7)
+_NAME_CODES = {"lookup": _LOOKUP, "device_hit": _DEVICE_HIT, "load": _LOAD,
+               "preempted": _PREEMPTED, "abandoned": _ABANDONED, "write": _WRITE}
+_HOST, _REMOTE = 0, 1
 
 
-class _Request:
-    """One request's recomputation (token positions, not blocks)."""
+class _Spans:
+    """The span columns the check reads, each decoded once for every row (strings as codes:
+    the request row each span names, dictionary codes of names and tiers), then taken for the
+    rows of one kind: no DataFrame is built, no string copied."""
 
-    __slots__ = (
-        "abandoned",
-        "admissions",
-        "host_read",
-        "host_written",
-        "lookup",
-        "preempted",
-        "preempted_n",
-        "remote_written",
-    )
+    def __init__(self, spans: pd.DataFrame, request_ids: pd.Series) -> None:
+        self.df = spans
+        self.request = _request_rows(spans["request_id"], request_ids)
+        self.named = F.valid(spans["request_id"])
+        self.name = F.categorize(spans["name"])
+        self.tier = F.categorize(spans["tier"])
 
-    def __init__(self) -> None:
-        #: per admission: [device_hit, loads [(tier, start, tokens)], failed {reason: tokens},
-        #: ended_by_preemption, start_ns]
-        self.admissions: list[list[Any]] = []
-        self.lookup: dict[str, tuple[int, int]] = {}
-        self.preempted = 0
-        self.preempted_n = 0
-        self.abandoned: set[int] = set()
-        self.host_read = 0
-        self.host_written = 0
-        self.remote_written = 0
+    def rows(self, kind: str) -> np.ndarray:
+        return np.flatnonzero(F.equals(self.df["kind"], kind))
+
+    def ints(self, col: str, rows: np.ndarray, fill: int = -1) -> np.ndarray:
+        return F.ints(self.df[col], fill)[rows]
+
+
+def _request_rows(span_ids: pd.Series, request_ids: pd.Series) -> np.ndarray:
+    """Row of the request each span names by its string ``request_id`` (-1: none; for an id
+    that appears twice in `request_ids`, its first row)."""
+    return F.request_index(span_ids, request_ids)
+
+
+def _pairs_in(a_group: np.ndarray, a_key: np.ndarray, b_group: np.ndarray, b_key: np.ndarray
+              ) -> np.ndarray:
+    """For each pair ``(a_group[i], a_key[i])``: is it one of the ``(b_group, b_key)`` pairs?"""
+    if not len(a_group) or not len(b_group):
+        return np.zeros(len(a_group), dtype=bool)
+    base = min(int(a_key.min()), int(b_key.min()))
+    span = max(int(a_key.max()), int(b_key.max())) - base + 1
+    top = max(int(a_group.max()), int(b_group.max())) + 1
+    if span <= (1 << 62) // top:  # one int64 per pair
+        return np.isin(a_group * span + (a_key - base), b_group * span + (b_key - base))
+    have = set(zip(b_group.tolist(), b_key.tolist(), strict=True))
+    return np.fromiter(((g, k) in have for g, k in zip(a_group.tolist(), a_key.tolist(),
+                                                       strict=True)),
+                       dtype=bool, count=len(a_group))
 
 
 def check_consistency(requests: pd.DataFrame, spans: pd.DataFrame, *, block_size: int | None,
                       kv_bytes_per_block: int | None = None) -> Consistency:
     """Recompute every accounting column from the ledger and transfer spans; compare exactly.
+
+    The ledger is replayed per request in time order (rows recorded at the same ns in the
+    order they were recorded), as array operations over all requests at once: each row is
+    booked to the admission (``device_hit`` row) current when it was recorded, and each
+    request's columns are read off the admission that produced its first token.
 
     Args:
         requests: the run store's ``requests`` frame.
@@ -153,63 +174,13 @@ def check_consistency(requests: pd.DataFrame, spans: pd.DataFrame, *, block_size
     """
     if not len(requests):
         return Consistency(False, reason="no requests")
-    if "kind" not in spans or not F.equals(spans["kind"], "ledger").any():
+    is_ledger = F.equals(spans["kind"], "ledger") if "kind" in spans else None
+    if is_ledger is None or not is_ledger.any():
         return Consistency(False, reason="the run has no ledger rows; kvscope's engine records "
                            "them from run-store schema 2 on")
     if not block_size:
         return Consistency(False, reason="run.json does not give the block size")
     F.require_columns(spans, _LEDGER_COLS, "spans")
-    bs = block_size
-    led = spans.loc[F.equals(spans["kind"], "ledger"), list(_LEDGER_COLS)]
-    # Stable: rows recorded at the same ns keep the order they were recorded in.
-    led = led.sort_values("start_ns", kind="stable")
-    per: dict[str, _Request] = defaultdict(_Request)
-    for rid, name, t, tier, tokens, nbytes, block, tid in zip(
-            led["request_id"].to_numpy(object), led["name"].to_numpy(object),
-            F.ints(led["start_ns"]), led["tier"].to_numpy(object), F.ints(led["tokens"], 0),
-            F.ints(led["bytes"], 0), F.ints(led["block"], 0), F.ints(led["transfer_id"]),
-            strict=True):
-        r = per[rid]
-        if name == "lookup":
-            r.lookup[tier] = (block * bs, block * bs + tokens)
-        elif name == "device_hit":
-            r.admissions.append([tokens, [], defaultdict(int), False, t])
-        elif name == "load" and r.admissions:
-            r.admissions[-1][1].append((tier, block * bs, tokens))
-            if tier == "host":
-                r.host_read += nbytes
-        elif name.startswith("failed_") and r.admissions:
-            r.admissions[-1][2][name.removeprefix("failed_")] += tokens
-        elif name == "preempted":
-            r.preempted += tokens
-            r.preempted_n += 1
-            if r.admissions:
-                r.admissions[-1][3] = True
-        elif name == "abandoned":
-            r.abandoned.add(tid)
-        elif name == "write":
-            if tier == "host":
-                r.host_written += nbytes
-            else:
-                r.remote_written += nbytes
-
-    act = spans.loc[F.equals(spans["kind"], "activity")]
-    h2d: dict[str, int] = defaultdict(int)
-    reads: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
-    if len(act):
-        names = act["name"].to_numpy(object)
-        rids = act["request_id"].to_numpy(object)
-        nb = F.ints(act["bytes"], 0)
-        tk = F.ints(act["tokens"], 0)
-        tids = F.ints(act["transfer_id"])
-        for i in np.flatnonzero((names == "h2d") | (names == "remote_read")):
-            if rids[i] is None or rids[i] is pd.NA:
-                continue
-            if names[i] == "h2d":
-                h2d[rids[i]] += int(nb[i])
-            else:
-                reads[rids[i]].append((int(tids[i]), int(nb[i]), int(tk[i])))
-
     columns = list(CHECKED_COLUMNS)
     reason = ""
     if kv_bytes_per_block is None:
@@ -217,59 +188,184 @@ def check_consistency(requests: pd.DataFrame, spans: pd.DataFrame, *, block_size
         reason = "host_written_bytes not checked: run.json does not give the KV bytes per block"
     F.require_columns(requests, ("request_id", "first_token_ns", "prompt_tokens", *columns),
                       "requests")
-    rows: list[tuple[str, str, int, int]] = []
+    bs = block_size
+    n = len(requests)
+    want = _recompute(requests, spans, is_ledger, bs, kv_bytes_per_block)
     served = F.valid(requests["first_token_ns"])
-    first = F.ints(requests["first_token_ns"])
-    prompt = F.ints(requests["prompt_tokens"], 0)
-    recorded = {c: F.ints(requests[c], 0) for c in columns}
-    for i, rid in enumerate(requests["request_id"].to_numpy(object)):
-        r = per.get(rid) or _Request()
-        want = _recompute(r, bs, int(prompt[i]), bool(served[i]), int(first[i]),
-                          h2d.get(rid, 0), reads.get(rid, []), kv_bytes_per_block)
-        for c in columns:
-            if c in want and int(recorded[c][i]) != want[c]:
-                rows.append((rid, c, int(recorded[c][i]), want[c]))
-    return Consistency(True, requests=len(requests), columns=tuple(columns),
+    recorded = np.column_stack([F.ints(requests[c], 0) for c in columns])
+    expect = np.column_stack([want[c] for c in columns])
+    bad = recorded != expect
+    if "recomputed_tokens" in columns:  # the identity only holds with a first token
+        bad[~served, columns.index("recomputed_tokens")] = False
+    rows_i, cols_i = np.nonzero(bad)  # request by request, columns in their order
+    ids = requests["request_id"].to_numpy(object)
+    rows = [(ids[i], columns[j], int(recorded[i, j]), int(expect[i, j]))
+            for i, j in zip(rows_i.tolist(), cols_i.tolist(), strict=True)]
+    return Consistency(True, requests=n, columns=tuple(columns),
                        mismatches=_mismatch_frame(rows), reason=reason)
 
 
-def _recompute(r: _Request, bs: int, prompt: int, served: bool, first_ns: int, h2d: int,
-               reads: list[tuple[int, int, int]], pb: int | None) -> dict[str, int]:
-    out: dict[str, int] = {c: 0 for c in CHECKED_COLUMNS}
-    out["lookup_tokens"] = max(0, (prompt - 1) // bs * bs)
-    # The admission whose sources the identity adds up.
-    adm = r.admissions
-    final = None
-    if adm:
-        final = adm[-1]
-        if served:
-            before = [a for a in adm if a[4] <= first_ns]
-            final = before[-1] if before else None
-    if final is not None:
-        hit, loads, failed = final[0], final[1], final[2]
-        out["device_hit_tokens"] = hit
-        for tier in ("host", "remote"):
-            lo, hi = r.lookup.get(tier, (0, 0))
-            out[f"{tier}_hit_tokens"] = max(0, hi - max(hit, lo)) if hi > lo else 0
-            mine = [(s, k) for t, s, k in loads if t == tier]
-            out[f"{tier}_loaded_tokens"] = sum(k for _, k in mine)
-            out[f"{tier}_found_tokens"] = sum(k - _overlap(s, s + k, lo, hi) for s, k in mine)
-        for reason, k in failed.items():
-            out[f"load_failed_{reason}_tokens"] = k
-        out["load_failed_tokens"] = sum(failed.values())
-        if served:
-            out["recomputed_tokens"] = (prompt - hit - out["host_loaded_tokens"]
-                                        - out["remote_loaded_tokens"])
-    out["preempted_tokens"] = r.preempted
-    out["num_preemptions"] = r.preempted_n
-    out["preempted_loaded_tokens"] = sum(sum(k for _, _, k in a[1]) for a in adm if a[3])
-    out["host_read_bytes"] = r.host_read
-    out["h2d_bytes"] = h2d
-    kept = [(nb, tk) for tid, nb, tk in reads if tid not in r.abandoned]
-    out["remote_read_bytes"] = sum(nb for nb, _ in kept)
-    out["remote_written_bytes"] = r.remote_written
-    if pb is not None:
-        out["host_written_bytes"] = sum(tk // bs for _, tk in kept) * pb + r.host_written
-    if not served:
-        out.pop("recomputed_tokens")  # partial: the identity only holds with a first token
+def _recompute(requests: pd.DataFrame, spans: pd.DataFrame, is_ledger: np.ndarray, bs: int,
+               pb: int | None) -> dict[str, np.ndarray]:
+    """Every checked column, recomputed per request (one int64 array per column).
+
+    The records are gathered per *owner*: the first request row with the span's request id
+    (each row of an id given twice reads the same records, with its own first token)."""
+    n = len(requests)
+    req_ids = requests["request_id"]
+    owner = _request_rows(req_ids, req_ids)
+    owner = np.where(owner >= 0, owner, np.arange(n))
+    prompt = F.ints(requests["prompt_tokens"], 0)
+    served = F.valid(requests["first_token_ns"])
+    first_ns = F.ints(requests["first_token_ns"])
+    out: dict[str, np.ndarray] = {}
+    out["lookup_tokens"] = np.maximum(0, (prompt - 1) // bs * bs)
+
+    sp = _Spans(spans, req_ids)
+    led = np.flatnonzero(is_ledger)
+    r_all = sp.request[led]
+    t_all = sp.ints("start_ns", led)
+    # Per owner, in time order; rows at the same ns in their recorded order (lexsort is
+    # stable). Rows of requests not in the table are never read.
+    order = np.flatnonzero(r_all >= 0)
+    order = order[np.lexsort((t_all[order], r_all[order]))]
+    r, t = r_all[order], t_all[order]
+    names = (sp.name[0][led], sp.name[1])
+    name_map: dict[str, int] = dict(_NAME_CODES)
+    reasons: list[str] = []
+    for v in names[1]:
+        if v is not None and v.startswith("failed_") and v not in name_map:
+            name_map[v] = _FAILED
+            reasons.append(v.removeprefix("failed_"))
+    code = F.recode(names, name_map)[order]
+    reason_of = F.recode(names, {f"failed_{x}": i for i, x in enumerate(reasons)})[order]
+    tier = F.recode(sp.tier, {"host": _HOST, "remote": _REMOTE})[led[order]]
+    tokens = sp.ints("tokens", led, 0)[order]
+    nbytes = sp.ints("bytes", led, 0)[order]
+    block = sp.ints("block", led, 0)[order]
+    tid = sp.ints("transfer_id", led)[order]
+
+    # The admission each row is booked to: its owner's latest device_hit row up to it.
+    is_dh = code == _DEVICE_HIT
+    seen = np.cumsum(is_dh)  # device_hit rows up to and including each row
+    starts = np.flatnonzero(np.r_[True, r[1:] != r[:-1]]) if len(r) else np.zeros(0, np.int64)
+    before = np.repeat((seen - is_dh)[starts], np.diff(np.r_[starts, len(r)]))
+    has_adm = seen > before
+    adm = np.where(has_adm, seen - 1, -1)  # admission number: device_hit rows in this order
+    n_adm = int(is_dh.sum())
+    adm_owner, adm_hit, adm_t = r[is_dh], tokens[is_dh], t[is_dh]
+
+    # Each tier's lookup range: the owner's last lookup row of the tier.
+    lookup_lo = np.zeros((n, 2), np.int64)
+    lookup_hi = np.zeros((n, 2), np.int64)
+    lk = np.flatnonzero((code == _LOOKUP) & (tier >= 0))
+    lookup_lo[r[lk], tier[lk]] = block[lk] * bs  # later rows overwrite earlier ones
+    lookup_hi[r[lk], tier[lk]] = block[lk] * bs + tokens[lk]
+
+    # Each admission's loads by tier; found: the part outside the tier's lookup range.
+    ld = (code == _LOAD) & has_adm
+    adm_loaded = np.zeros((n_adm, 2), np.int64)
+    adm_found = np.zeros((n_adm, 2), np.int64)
+    for k in (_HOST, _REMOTE):
+        m = ld & (tier == k)
+        s0 = block[m] * bs
+        lo, hi = lookup_lo[r[m], k], lookup_hi[r[m], k]
+        inside = np.maximum(0, np.minimum(s0 + tokens[m], hi) - np.maximum(s0, lo))
+        adm_loaded[:, k] = F.group_sums(adm[m], tokens[m], n_adm)
+        adm_found[:, k] = F.group_sums(adm[m], tokens[m] - inside, n_adm)
+    fl = (code == _FAILED) & has_adm
+    adm_failed = np.zeros((n_adm, max(len(reasons), 1)), np.int64)
+    np.add.at(adm_failed, (adm[fl], reason_of[fl]), tokens[fl])
+
+    # Owner totals over every admission (or none).
+    per_owner: dict[str, np.ndarray] = {}
+    host_load = ld & (tier == _HOST)
+    per_owner["host_read_bytes"] = F.group_sums(r[host_load], nbytes[host_load], n)
+    pre = code == _PREEMPTED
+    per_owner["preempted_tokens"] = F.group_sums(r[pre], tokens[pre], n)
+    per_owner["num_preemptions"] = np.bincount(r[pre], minlength=n).astype(np.int64)
+    ended = np.zeros(n_adm, dtype=bool)
+    ended[adm[pre & has_adm]] = True
+    adm_all_loads = F.group_sums(adm[ld], tokens[ld], n_adm)  # every tier's
+    per_owner["preempted_loaded_tokens"] = F.group_sums(adm_owner[ended], adm_all_loads[ended],
+                                                        n)
+    wr_host = (code == _WRITE) & (tier == _HOST)
+    wr_other = (code == _WRITE) & (tier != _HOST)
+    host_written = F.group_sums(r[wr_host], nbytes[wr_host], n)
+    per_owner["remote_written_bytes"] = F.group_sums(r[wr_other], nbytes[wr_other], n)
+    h2d, remote, staged = _transfers(sp, n, r[code == _ABANDONED], tid[code == _ABANDONED], bs)
+    per_owner["h2d_bytes"] = h2d
+    per_owner["remote_read_bytes"] = remote
+    per_owner["host_written_bytes"] = (staged * pb if pb is not None else 0) + host_written
+    for c, v in per_owner.items():
+        out[c] = v[owner]
+
+    # The admission that produced each request's first token: its owner's last one recorded
+    # at or before it (the last one of all for a request without a first token).
+    final = np.full(n, -1, dtype=np.int64)
+    if n_adm:
+        a, i = _admissions_by_row(owner, adm_owner)
+        eligible = ~served[i] | (adm_t[a] <= first_ns[i])
+        np.maximum.at(final, i[eligible], a[eligible])
+    has = final >= 0
+    f = final[has]
+
+    def pick(values: np.ndarray) -> np.ndarray:
+        col = np.zeros(n, np.int64)
+        col[has] = values[f]
+        return col
+
+    hit = pick(adm_hit)
+    out["device_hit_tokens"] = hit
+    for k, name in ((_HOST, "host"), (_REMOTE, "remote")):
+        lo, hi = lookup_lo[owner, k], lookup_hi[owner, k]
+        out[f"{name}_hit_tokens"] = np.where(has & (hi > lo),
+                                             np.maximum(0, hi - np.maximum(hit, lo)), 0)
+        out[f"{name}_loaded_tokens"] = pick(adm_loaded[:, k])
+        out[f"{name}_found_tokens"] = pick(adm_found[:, k])
+    failed_total = np.zeros(n, np.int64)
+    for c in CHECKED_COLUMNS:
+        if c.startswith("load_failed_") and c != "load_failed_tokens":
+            out[c] = np.zeros(n, np.int64)
+    for j, x in enumerate(reasons):
+        col = pick(adm_failed[:, j])
+        failed_total += col
+        if f"load_failed_{x}_tokens" in out:
+            out[f"load_failed_{x}_tokens"] = col
+    out["load_failed_tokens"] = failed_total
+    out["recomputed_tokens"] = np.where(
+        served & has, prompt - hit - out["host_loaded_tokens"] - out["remote_loaded_tokens"], 0)
     return out
+
+
+def _admissions_by_row(owner: np.ndarray, adm_owner: np.ndarray
+                       ) -> tuple[np.ndarray, np.ndarray]:
+    """Every (admission, request row) pair whose owner is the same: one pair per admission
+    unless a request id is given twice."""
+    n = len(owner)
+    rows = np.argsort(owner, kind="stable")
+    count = np.bincount(owner, minlength=n)
+    first = np.cumsum(count) - count
+    rep = count[adm_owner]
+    a = np.repeat(np.arange(len(adm_owner)), rep)
+    offset = np.arange(len(a)) - np.repeat(np.cumsum(rep) - rep, rep)
+    return a, rows[first[adm_owner[a]] + offset]
+
+
+def _transfers(sp: _Spans, n: int, ab_owner: np.ndarray, ab_tid: np.ndarray, bs: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per owner: bytes of its ``h2d`` spans; bytes of the ``remote_read`` spans of the reads
+    it issued and did not abandon, and the blocks those reads staged."""
+    act = sp.rows("activity")
+    if not len(act):
+        return (np.zeros(n, np.int64),) * 3
+    ar = sp.request[act]
+    ok = (ar >= 0) & sp.named[act]
+    which = F.recode(sp.name, {"h2d": 0, "remote_read": 1})[act]
+    nb, tk, tids = (sp.ints("bytes", act, 0), sp.ints("tokens", act, 0),
+                    sp.ints("transfer_id", act))
+    h = ok & (which == 0)
+    reads = np.flatnonzero(ok & (which == 1))
+    kept = reads[~_pairs_in(ar[reads], tids[reads], ab_owner, ab_tid)]
+    return (F.group_sums(ar[h], nb[h], n), F.group_sums(ar[kept], nb[kept], n),
+            F.group_sums(ar[kept], tk[kept] // bs, n))

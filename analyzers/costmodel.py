@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from analyzers import frames as F
 
@@ -107,35 +109,69 @@ def _unfitted(reason: str, steps: int = 0) -> StepCost:
     return StepCost(nan, nan, (nan, nan), (nan, nan), steps, (0, 0), reason=reason)
 
 
-def step_samples(spans: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+def step_samples(spans: pd.DataFrame | pa.Table) -> tuple[np.ndarray, np.ndarray]:
     """Per engine step that computed prompt tokens: (scheduled tokens, compute time in ns),
-    from the step spans.
+    from the step spans, in step id order.
 
     A step whose every request computed one token (``tokens <= batch_requests``: decodes, or
     one-token prefill tails) runs the batched single-token attention path and says nothing
     about what recomputing a prefix costs; it is left out (`fit_step_cost` counts it).
+
+    Args:
+        spans: the ``spans`` frame, or the run store's Arrow table of them (or of the step
+            spans alone): only the ``step`` rows of `COMPUTE_PHASES` are read.
     """
-    if not len(spans) or "kind" not in spans:
+    cols = _step_rows(spans)
+    if cols is None:
         return np.zeros(0, np.int64), np.zeros(0, np.float64)
-    st = spans.loc[F.equals(spans["kind"], "step")]
-    if not len(st) or "step_id" not in st:
-        return np.zeros(0, np.int64), np.zeros(0, np.float64)
+    sid, tok, batch, dur = cols
+    if len(sid) > 1 and not (sid[1:] >= sid[:-1]).all():
+        order = np.argsort(sid, kind="stable")
+        sid, tok, dur = sid[order], tok[order], dur[order]
+        batch = None if batch is None else batch[order]
+    starts = np.flatnonzero(np.r_[True, sid[1:] != sid[:-1]])
+    tokens = np.maximum.reduceat(tok, starts)
+    ns = np.add.reduceat(dur, starts)
+    keep = (tokens > 0) & (ns > 0)
+    if batch is not None:
+        keep &= tokens > np.maximum.reduceat(batch, starts)
+    return tokens[keep], ns[keep].astype(np.float64)
+
+
+def _step_rows(spans: pd.DataFrame | pa.Table
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray] | None:
+    """(step_id, tokens, batch_requests or None, duration) of the step rows of
+    `COMPUTE_PHASES` with a step id and tokens; None when there are none."""
+    if isinstance(spans, pa.Table):
+        names = spans.column_names
+        if not spans.num_rows or not {"kind", "name", "step_id", "tokens"} <= set(names):
+            return None
+        mask = pc.and_(pc.and_(pc.equal(spans["kind"], "step"),
+                               pc.is_in(spans["name"], pa.array(COMPUTE_PHASES))),
+                       pc.and_(pc.is_valid(spans["step_id"]), pc.is_valid(spans["tokens"])))
+        has_batch = "batch_requests" in names
+        st = spans.select(["step_id", "tokens", "start_ns", "end_ns",
+                           *(["batch_requests"] if has_batch else [])]).filter(mask)
+        if not st.num_rows:
+            return None
+
+        def num(c: str) -> np.ndarray:
+            return np.asarray(pc.fill_null(st[c], 0).to_numpy(), dtype=np.int64)
+
+        return (num("step_id"), num("tokens"), num("batch_requests") if has_batch else None,
+                num("end_ns") - num("start_ns"))
+    if not len(spans) or not {"kind", "step_id"} <= set(spans.columns):
+        return None
+    is_step = F.equals(spans["kind"], "step")
+    if not is_step.any():
+        return None
+    st = spans.loc[is_step]
     st = st.loc[st["name"].isin(COMPUTE_PHASES) & st["step_id"].notna() & st["tokens"].notna()]
     if not len(st):
-        return np.zeros(0, np.int64), np.zeros(0, np.float64)
-    dur = F.ints(st["end_ns"], 0) - F.ints(st["start_ns"], 0)
-    g = pd.DataFrame({"step": F.ints(st["step_id"]), "tokens": F.ints(st["tokens"], 0),
-                      "ns": dur}).groupby("step", sort=True)
-    if "batch_requests" in st:
-        g = pd.DataFrame({"step": F.ints(st["step_id"]), "tokens": F.ints(st["tokens"], 0),
-                          "batch": F.ints(st["batch_requests"], 0), "ns": dur}
-                         ).groupby("step", sort=True)
-        agg = g.agg(tokens=("tokens", "max"), batch=("batch", "max"), ns=("ns", "sum"))
-        agg = agg[agg["tokens"] > agg["batch"]]
-    else:
-        agg = g.agg(tokens=("tokens", "max"), ns=("ns", "sum"))
-    agg = agg[(agg["tokens"] > 0) & (agg["ns"] > 0)]
-    return agg["tokens"].to_numpy(np.int64), agg["ns"].to_numpy(np.float64)
+        return None
+    return (F.ints(st["step_id"]), F.ints(st["tokens"], 0),
+            F.ints(st["batch_requests"], 0) if "batch_requests" in st else None,
+            F.ints(st["end_ns"], 0) - F.ints(st["start_ns"], 0))
 
 
 #: Arrays at least this long get `_median`'s bracketed selection (shorter: np.median).
@@ -176,26 +212,34 @@ def _median(a: np.ndarray) -> float:
     return float(np.mean(part[[j1, j2]]))
 
 
-def _theil_sen(x: np.ndarray, y: np.ndarray, rng: np.random.Generator) -> tuple[float, float]:
-    n = len(x)
+def _theil_sen(x: np.ndarray, y: np.ndarray, rng: np.random.Generator,
+               idx: np.ndarray | None = None) -> tuple[float, float]:
+    """Theil–Sen over the points ``(x, y)``, or over the resample ``(x[idx], y[idx])``
+    without building it: each pair and residual is the same float operation on the same
+    values as over the resampled arrays, so the result is the same bit for bit."""
+    n = len(x) if idx is None else len(idx)
     if n * (n - 1) // 2 <= _MAX_PAIRS:
         i, j = np.triu_indices(n, 1)
     else:
         i = rng.integers(0, n, _MAX_PAIRS)
         j = rng.integers(0, n, _MAX_PAIRS)
+    if idx is not None:
+        i, j = idx[i], idx[j]
     dx = x[j] - x[i]
     keep = dx != 0
     if not keep.any():
         return float("nan"), float("nan")
     slope = _median((y[j] - y[i])[keep] / dx[keep])
-    return slope, _median(y - slope * x)
+    resid = y - slope * x
+    return slope, _median(resid if idx is None else resid[idx])
 
 
-def fit_step_cost(spans: pd.DataFrame, *, seed: int = 0, n_boot: int = _N_BOOT) -> StepCost:
+def fit_step_cost(spans: pd.DataFrame | pa.Table, *, seed: int = 0,
+                  n_boot: int = _N_BOOT) -> StepCost:
     """Fit the run's step cost model on its step spans.
 
     Args:
-        spans: the run store's ``spans`` frame.
+        spans: the run store's ``spans`` frame or Arrow table (`step_samples`).
         seed: the bootstrap's seed (the fit is deterministic for a given run and seed).
         n_boot: bootstrap resamples.
 
@@ -215,8 +259,7 @@ def fit_step_cost(spans: pd.DataFrame, *, seed: int = 0, n_boot: int = _N_BOOT) 
     slope, icpt = _theil_sen(x, ns, rng)
     boots = np.empty((n_boot, 2))
     for b in range(n_boot):
-        idx = rng.integers(0, n, n)
-        boots[b] = _theil_sen(x[idx], ns[idx], rng)
+        boots[b] = _theil_sen(x, ns, rng, rng.integers(0, n, n))
     ok = np.isfinite(boots).all(axis=1)
     a = (1 - _CONFIDENCE) / 2
     s_lo, s_hi = np.quantile(boots[ok, 0], [a, 1 - a])

@@ -11,14 +11,18 @@ lacked the data for. JSON carries them under ``findings`` and ``diagnoses``.
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from agent.runstore.reader import block_size_of
 from agent.schema import TTFT_STAGES
+from analyzers import frames as F
 from analyzers.accounting import (
     SecondsSaved,
     TokenAccounting,
@@ -35,7 +39,7 @@ from analyzers.diagnose import DiagnoseReport, diagnose_report, render_markdown,
 from analyzers.diagnose.model import share
 from analyzers.render import Table, md_table, text_table
 from analyzers.timebase import run_origin_ns
-from analyzers.ttft import partition, summarize, violations
+from analyzers.ttft import PARTITION_SPAN_COLUMNS, partition, summarize, violations
 from analyzers.ttft_summary import TTFTSummary, records
 from analyzers.units import fmt_ns, fmt_pct, fmt_s
 from analyzers.vllm_side import render_lines as vllm_side_lines
@@ -45,6 +49,17 @@ from analyzers.vllm_side import vllm_side_of
 #: 2: "prefill" carries the fitted step cost model ("cost") instead of a measured rate
 #: ("rate"); "consistency" added; windows count from the run's start.
 REPORT_VERSION = 2
+#: The span columns the report reads (`kvscope analyze` projects its read to them): all but
+#: ``waits_on`` and ``clock``.
+REPORT_SPAN_COLUMNS: tuple[str, ...] = (
+    "request_id", "request_num", "kind", "name", "start_ns", "end_ns", "tier", "layer",
+    "tokens", "bytes", "step_id", "transfer_id", "batch_requests", "block")
+#: The rows `kvscope analyze` reads into its spans frame: every kind but the steps, which only
+#: the step cost model reads (`STEP_SPAN_COLUMNS` of them, read apart).
+REPORT_SPAN_FILTER = pc.field("kind") != "step"
+#: The step spans' columns the cost model and the run's end need.
+STEP_SPAN_COLUMNS: tuple[str, ...] = ("kind", "name", "start_ns", "end_ns", "tokens",
+                                      "step_id", "batch_requests")
 #: Version of the JSON comparison layout (`kvscope compare --format json`).
 COMPARE_VERSION = 1
 FORMATS = ("text", "markdown", "json")
@@ -90,7 +105,7 @@ class Report:
 
 
 def build_report(store: Any, *, diagnose: bool = True, by: str | None = None,
-                 window_ns: int | None = None) -> Report:
+                 window_ns: int | None = None, steps: pa.Table | None = None) -> Report:
     """Run the analyzers (and, unless `diagnose` is False, the diagnoses) over a run.
 
     Args:
@@ -99,22 +114,37 @@ def build_report(store: Any, *, diagnose: bool = True, by: str | None = None,
         diagnose: run `analyzers.diagnose` and append its findings.
         by: optional grouping of the TTFT table (tenant, workload_class, hit_class).
         window_ns: window length for percentiles over time.
+        steps: the run's step spans as an Arrow table (`STEP_SPAN_COLUMNS`, e.g. from
+            ``agent.runstore.reader.read_table``) when `store` was read without them
+            (``filters={"spans": REPORT_SPAN_FILTER}``, as `kvscope analyze` reads a run).
 
     Returns:
         a `Report`.
     """
-    req, spans = store.requests, store.spans
-    part = partition(req, spans)
-    cost = fit_step_cost(spans)
+    req = store.requests
+    spans, step_source, spans_end = _spans_and_steps(store, steps)
     meta = store.meta
     origin = run_origin_ns(meta, store)
+    groups = layer_groups_of(meta)
+    # The step cost model's bootstrap is numpy work that needs nothing else: it runs in a
+    # second thread beside the analyzers that do not need it (same result, same seed).
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvscope-costmodel") as pool:
+        fitting = pool.submit(fit_step_cost, step_source)
+        part = partition(req, _partition_spans(store, req, spans))
+        consistency = check_consistency(req, spans, block_size=block_size_of(meta),
+                                        kv_bytes_per_block=kv_bytes_per_block_of(meta))
+        ttft = summarize(part, by=by, window_ns=window_ns, origin_ns=origin)
+        accounting = token_accounting(req)
+        layers = layer_table(store.layers, groups)
+        limits = group_limits(spans, req, groups)
+        cost = fitting.result()
     diag = None
     if diagnose:
         diag = diagnose_report(req, spans, layers=store.layers, samples=store.samples,
                                events=store.events, run_config=meta.get("config"), part=part,
-                               cost=cost, origin_ns=origin, run_path=str(store.path))
+                               cost=cost, origin_ns=origin, run_path=str(store.path),
+                               spans_end_ns=spans_end)
     writer = getattr(store, "writer", None)
-    groups = layer_groups_of(meta)
     run = {
         "path": str(store.path),
         "run_id": meta.get("run_id"),
@@ -129,14 +159,13 @@ def build_report(store: Any, *, diagnose: bool = True, by: str | None = None,
     }
     return Report(
         run=run,
-        ttft=summarize(part, by=by, window_ns=window_ns, origin_ns=origin),
+        ttft=ttft,
         violations=violations(part),
-        accounting=token_accounting(req),
-        layers=layer_table(store.layers, groups),
+        accounting=accounting,
+        layers=layers,
         cost=cost,
         saved=prefill_seconds_saved(req, cost, part),
-        consistency=check_consistency(req, spans, block_size=block_size_of(meta),
-                                      kv_bytes_per_block=kv_bytes_per_block_of(meta)),
+        consistency=consistency,
         diagnoses=diag,
         accounting_known=_accounting_known(req),
         slowest_ids=_slowest_ids(part),
@@ -144,9 +173,51 @@ def build_report(store: Any, *, diagnose: bool = True, by: str | None = None,
         breaker_events=_breaker_events(getattr(store, "events", None), origin),
         fault_events=_fault_events(getattr(store, "events", None)),
         layer_groups=groups,
-        group_limits=group_limits(spans, req, groups),
+        group_limits=limits,
         vllm_side=vllm_side_of(store),
     )
+
+
+def _spans_and_steps(store: Any, steps: pa.Table | None
+                     ) -> tuple[pd.DataFrame, pd.DataFrame | pa.Table, int | None]:
+    """The spans the report reads as a frame, what the step cost model reads, and the run's
+    latest span end (None: the diagnoses take it from the frame).
+
+    From a run store's Arrow table the step spans (most of a run's rows) are never made a
+    DataFrame: the cost model reads them from Arrow, every other analyzer ignores them, and
+    only their latest end is kept (the run's end for the diagnoses). `steps` given: the
+    store was read without its step spans, and these are they. Other sources (imports) give
+    their spans frame whole."""
+    if steps is not None:
+        spans = store.spans
+        ends = [int(x) for x in (pc.max(steps["end_ns"]).as_py() if steps.num_rows else None,
+                                 F.ints(spans["end_ns"], -1).max() if len(spans) else None)
+                if x is not None]
+        return spans, steps, max(ends) if ends else None
+    tables = getattr(store, "tables", None)
+    tbl = tables.get("spans") if isinstance(tables, dict) else None
+    if not isinstance(tbl, pa.Table) or not hasattr(store, "frame_without") or \
+            "kind" not in tbl.column_names:
+        return store.spans, store.spans, None
+    end = pc.max(tbl["end_ns"]).as_py() if "end_ns" in tbl.column_names else None
+    return store.frame_without("spans", "kind", "step"), tbl, end
+
+
+def _partition_spans(store: Any, req: pd.DataFrame, spans: pd.DataFrame) -> pd.DataFrame:
+    """The spans for `partition`: from a run store (which writes a span's request_num with its
+    request_id, `analyzers.ttft.PARTITION_SPAN_COLUMNS`), the columns that match spans to
+    requests by the int64 request_num rather than by hashing every string id; the frame as
+    it is when the numbers are missing anywhere the ids are not."""
+    cols = list(PARTITION_SPAN_COLUMNS)
+    if not hasattr(store, "frame_without") or not set(cols) <= set(spans.columns) or \
+            "request_id" not in spans or "request_num" not in req or \
+            not F.valid(req["request_num"]).all():
+        return spans
+    nums = F.ints(req["request_num"])
+    if len(np.unique(nums)) != len(nums) or not np.array_equal(
+            F.valid(spans["request_num"]), F.valid(spans["request_id"])):
+        return spans
+    return spans[cols]
 
 
 def _slowest_ids(part: pd.DataFrame) -> list[str]:

@@ -185,10 +185,13 @@ def summarize(
 def _tidy(df: pd.DataFrame) -> pd.DataFrame:
     """Round float ns columns to 1e-3 ns: interpolated percentiles carry float noise such as
     5596000.000000001 that means nothing at ns resolution."""
-    for c in df.columns:
-        if c.endswith("_ns") and df[c].dtype == np.float64:
-            df[c] = df[c].round(3)
-    return df
+    cols = [c for c, t in df.dtypes.items() if c.endswith("_ns") and t == np.float64]
+    if not cols:
+        return df
+    # One new frame rather than a column assignment each (the same values: Series.round is
+    # numpy's round).
+    return pd.DataFrame({c: (df[c].to_numpy().round(3) if c in cols else df[c])
+                         for c in df.columns}, index=df.index)
 
 
 def _stack(parts: dict[str, pd.DataFrame], by: tuple[str, ...]) -> pd.DataFrame:
@@ -249,6 +252,34 @@ def _slowest(vals: pd.DataFrame, keys: list[pd.Series], by: tuple[str, ...]) -> 
     cols = [*by, "stage", "threshold_ns", "requests", "mean_ns", "share"]
     if not len(vals):
         return pd.DataFrame(columns=cols)
+    if not by:
+        return _slowest_all(vals, names)
+    return _slowest_grouped(vals, keys, by, names)
+
+
+def _slowest_all(vals: pd.DataFrame, names: list[str]) -> pd.DataFrame:
+    """`_slowest` for the whole run, in numpy: the same figures (means of int64 columns are
+    their exact sums over the count, as pandas' are while the sums stay below 2**53)."""
+    ttft = vals["ttft"].to_numpy()
+    threshold = np.quantile(ttft, 0.99)
+    slow = ttft >= threshold
+    count = int(slow.sum())
+    tot = {x: int(vals[x].to_numpy()[slow].sum()) for x in [*names, "ttft"]}
+    if max(abs(v) for v in tot.values()) >= 2**53:  # pandas' float sums would round
+        return _slowest_grouped(vals, [pd.Series("all", index=vals.index)], (), names)
+    den = tot["ttft"] if tot["ttft"] > 0 else float("nan")
+    return pd.DataFrame({
+        "stage": names,
+        "threshold_ns": np.full(len(names), threshold, dtype=np.float64),
+        "requests": np.full(len(names), count, dtype=np.int64),
+        "mean_ns": np.array([tot[x] / count for x in names], dtype=np.float64),
+        "share": np.array([tot[x] / den for x in names], dtype=np.float64),
+    })
+
+
+def _slowest_grouped(vals: pd.DataFrame, keys: list[pd.Series], by: tuple[str, ...],
+                     names: list[str]) -> pd.DataFrame:
+    cols = [*by, "stage", "threshold_ns", "requests", "mean_ns", "share"]
     ttft = vals["ttft"]
     if by:
         thr_by_group = ttft.groupby(keys, sort=True, observed=True).quantile(0.99)
@@ -274,6 +305,24 @@ def _slowest(vals: pd.DataFrame, keys: list[pd.Series], by: tuple[str, ...]) -> 
     return out[cols]
 
 
+#: Windows up to which `_windows` takes each window's quantiles in numpy (more: pandas).
+_NUMPY_WINDOWS = 256
+
+
+def _group_quantiles(v: np.ndarray) -> list[float]:
+    """pandas' groupby quantile of one group (linear interpolation, its own arithmetic:
+    ``x[j] + (x[j + 1] - x[j]) * frac`` with ``frac = (q * (n - 1)) % 1``), at `QUANTILES`."""
+    x = np.sort(v.astype(np.float64))
+    m = len(x)
+    out = []
+    for q in QUANTILES:
+        h = q * float(m - 1)
+        j = int(h)
+        frac = h % 1
+        out.append(float(x[j]) if frac == 0.0 else float(x[j] + (x[j + 1] - x[j]) * frac))
+    return out
+
+
 def _windows(vals: pd.DataFrame, arrival: np.ndarray, window_ns: int, origin_ns: int
              ) -> pd.DataFrame:
     names = ["ttft", *TTFT_STAGES]
@@ -282,6 +331,20 @@ def _windows(vals: pd.DataFrame, arrival: np.ndarray, window_ns: int, origin_ns:
     if not len(vals):
         return pd.DataFrame(columns=cols)
     start = origin_ns + ((arrival - origin_ns) // window_ns) * window_ns
+    starts, counts = np.unique(start, return_counts=True)
+    if len(starts) <= _NUMPY_WINDOWS:
+        order = np.argsort(start, kind="stable")
+        bounds = np.r_[0, np.cumsum(counts)]
+        data: dict[str, Any] = {"window_start_ns": starts.astype(np.int64),
+                                "window_start_s": (starts - origin_ns) / 1e9,
+                                "requests": counts.astype(np.int64)}
+        cols_q = {n: [vals[n].to_numpy()[order[bounds[i]:bounds[i + 1]]]
+                      for i in range(len(starts))] for n in names}
+        qs = {n: np.array([_group_quantiles(v) for v in cols_q[n]]) for n in names}
+        for k, qc in enumerate(_QCOLS):
+            for n in names:
+                data[f"{n}_{qc}"] = qs[n][:, k]
+        return pd.DataFrame(data).reindex(columns=cols)
     g = vals[names].groupby(start, sort=True)
     qv = g.quantile(list(QUANTILES))  # one sort per column for all three quantiles
     out = pd.DataFrame({"requests": g.size()})

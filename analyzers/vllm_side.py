@@ -60,11 +60,13 @@ def _detail(d: Any) -> dict[str, Any]:
 def vllm_side_of(store: Any) -> VllmSide | None:
     """The side-by-side of a vLLM observer's run; None when the run has no vLLM stats."""
     ev = getattr(store, "events", None)
-    spans = getattr(store, "spans", None)
-    req = getattr(store, "requests", None)
     if not isinstance(ev, pd.DataFrame) or not len(ev) or "name" not in ev:
         return None
     stats = ev.loc[ev["name"] == "vllm_request_stats"]
+    if not len(stats):
+        return None
+    spans = getattr(store, "spans", None)  # read only for a vLLM observer's run
+    req = getattr(store, "requests", None)
     if not len(stats) or not isinstance(spans, pd.DataFrame) or not isinstance(req, pd.DataFrame):
         return None
     queued_at = (ev.loc[ev["name"] == "vllm_queued"].dropna(subset=["request_id"])

@@ -21,8 +21,13 @@ Measures, each printed with its interval and the load average:
 2. *``kvscope analyze RUN --format json``, whole process*: the full report (partition, cost
    model, consistency check, diagnoses), ``--full-reps`` runs; span rows/s.
 3. *vectorised vs a per-request Python loop*: the same analysis on a subsample of the store's
-   requests (in process, CPU time, interleaved pairs, after checking both give the same
-   numbers); median per-pair ratio with its interval.
+   requests, both given the same frames (measure 1's projected, filtered read; spans matched
+   by request_num on both sides): the partition, then everything `summarize` reports for the
+   whole run (per stage, TTFT and hidden load: p50/p90/p99, mean, total, mean share and share
+   of the total; the slowest requests' mean and share per stage; per window the request count
+   and the p50/p90/p99 of TTFT and each stage) and the accounting totals; in process, CPU
+   time, interleaved pairs, after checking that both give the same numbers; median per-pair
+   ratio with its interval.
 
 Usage::
 
@@ -317,18 +322,22 @@ def _sweep(a: int, f: int, iv: list[tuple[str, int, int]]) -> dict[str, int]:
 
 
 def python_partition(requests: pd.DataFrame, spans: pd.DataFrame) -> list[dict[str, Any]]:
-    by_req: dict[str, list[tuple[str, str, int, int]]] = defaultdict(list)
-    for rid, kind, name, s, e in zip(spans["request_id"].tolist(), spans["kind"].tolist(),
-                                     spans["name"].tolist(), spans["start_ns"].tolist(),
-                                     spans["end_ns"].tolist(), strict=True):
-        if rid is not None and rid == rid:
-            by_req[rid].append((kind, name, s, e))
+    """Spans matched to requests by the key the vectorised analyzer uses: the int64
+    request_num when the spans carry no request_id (the projected read), else the id."""
+    key = "request_num" if "request_id" not in spans else "request_id"
+    by_req: dict[Any, list[tuple[str, str, int, int]]] = defaultdict(list)
+    for k, kind, name, s, e in zip(spans[key].tolist(), spans["kind"].tolist(),
+                                   spans["name"].tolist(), spans["start_ns"].tolist(),
+                                   spans["end_ns"].tolist(), strict=True):
+        if k is not None and k == k:
+            by_req[k].append((kind, name, s, e))
     rows = []
-    for rid, a, f in zip(requests["request_id"].tolist(), requests["arrival_ns"].tolist(),
-                         requests["first_token_ns"].tolist(), strict=True):
+    for rid, k, a, f in zip(requests["request_id"].tolist(), requests[key].tolist(),
+                            requests["arrival_ns"].tolist(),
+                            requests["first_token_ns"].tolist(), strict=True):
         if f is None or f != f:
             continue
-        mine = by_req.get(rid, [])
+        mine = by_req.get(k, [])
         states = [(n, s, e) for k, n, s, e in mine
                   if k == "state" and n in _RANK and (s < f or s == a)]
         chain = sorted((s, e) for _, s, e in states)
@@ -347,7 +356,8 @@ def python_partition(requests: pd.DataFrame, spans: pd.DataFrame) -> list[dict[s
         loads = [(max(s, a), min(e, f)) for k, n, s, e in mine
                  if k == "activity" and n in _LOADS and min(e, f) > max(s, a)]
         queue = [(max(s, a), min(e, f)) for n, s, e in states if n == "queue"]
-        rows.append({"request_id": rid, **{f"{k}_ns": v for k, v in stage.items()},
+        rows.append({"request_id": rid, "arrival_ns": a,
+                     **{f"{k}_ns": v for k, v in stage.items()},
                      "ttft_ns": f - a, "hidden_load_ns": _intersect(queue, loads)})
     return rows
 
@@ -360,48 +370,115 @@ def _pct(sorted_v: list[int], q: float) -> float:
     return sorted_v[j] + (h - j) * (sorted_v[j + 1] - sorted_v[j])
 
 
+#: `analyzers.ttft_summary`'s candidate window lengths: 1-2-5 steps from 1 ms to about a day.
+_NICE_WINDOWS_NS = tuple(m * 10**e for e in range(6, 14) for m in (1, 2, 5))
+
+
+def _mean(v: list[float]) -> float:
+    return sum(v) / len(v) if v else float("nan")
+
+
 def python_analysis(requests: pd.DataFrame, spans: pd.DataFrame) -> dict[str, Any]:
+    """Everything `vectorised` reports, by loops over requests: the partition; per stage,
+    TTFT and hidden load the p50/p90/p99, mean, total, mean share of TTFT and share of the
+    total; the slowest requests' (at or above the p99 TTFT) mean and share per stage; per
+    window of arrivals (the same ~10 round windows) the request count and the p50/p90/p99 of
+    TTFT and each stage; the accounting totals."""
     from agent.schema import ACCOUNTING_COLUMNS
 
     rows = python_partition(requests, spans)
+    stages = [f"{s}_ns" for s in STAGES]
+    n = len(rows)
+    ttft_total = sum(r["ttft_ns"] for r in rows)
     summary = {}
-    for col in [*(f"{s}_ns" for s in STAGES), "ttft_ns", "hidden_load_ns"]:
+    for col in [*stages, "ttft_ns", "hidden_load_ns"]:
         v = sorted(r[col] for r in rows)
-        summary[col] = [_pct(v, q) for q in (0.5, 0.9, 0.99)]
+        total = sum(v)
+        summary[col] = {
+            "q": [_pct(v, q) for q in QUANTILES], "mean": total / n, "total": total,
+            "share_mean": _mean([r[col] / r["ttft_ns"] for r in rows if r["ttft_ns"] > 0]),
+            "share_of_total": total / ttft_total if ttft_total > 0 else float("nan")}
+    threshold = _pct(sorted(r["ttft_ns"] for r in rows), 0.99)
+    slow = [r for r in rows if r["ttft_ns"] >= threshold]
+    slow_ttft = sum(r["ttft_ns"] for r in slow)
+    slowest = {"threshold": threshold, "requests": len(slow),
+               **{col: (_mean([r[col] for r in slow]), sum(r[col] for r in slow) / slow_ttft)
+                  for col in stages}}
+    arrivals = [r["arrival_ns"] for r in rows]
+    lo, hi = min(arrivals), max(arrivals)
+    width = next((w for w in _NICE_WINDOWS_NS if w * 10 >= hi - lo), _NICE_WINDOWS_NS[-1])
+    by_window: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        by_window[lo + (r["arrival_ns"] - lo) // width * width].append(r)
+    windows = {}
+    for start in sorted(by_window):
+        mine = by_window[start]
+        windows[start] = {"requests": len(mine), **{
+            col: [_pct(v, q) for q in QUANTILES]
+            for col in ("ttft_ns", *stages) for v in [sorted(r[col] for r in mine)]}}
     totals = dict.fromkeys(ACCOUNTING_COLUMNS, 0)
     for rec in requests.to_dict("records"):
         if rec["first_token_ns"] is not None and rec["first_token_ns"] == rec["first_token_ns"]:
             for c in ACCOUNTING_COLUMNS:
                 totals[c] += int(rec[c])
-    return {"rows": rows, "summary": summary, "totals": totals}
+    return {"rows": rows, "summary": summary, "slowest": slowest, "windows": windows,
+            "totals": totals}
+
+
+def _close(a: float, b: float) -> bool:
+    """Equal to the 1e-3 ns the summaries are rounded to (shares: to 1e-9 relative)."""
+    return (a != a and b != b) or math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-3)
 
 
 def _same_answers(vec: dict[str, Any], py: dict[str, Any]) -> None:
-    import numpy as np
-
     part = vec["part"].set_index("request_id")
     for r in py["rows"]:
         got = part.loc[r["request_id"]]
         for k, v in r.items():
             if k != "request_id" and int(got[k]) != v:
                 raise AssertionError(f"{r['request_id']} {k}: vectorised {got[k]} != {v}")
-    st = vec["summary"].stages.set_index("stage")
-    for col, qs in py["summary"].items():
+    summ = vec["summary"]
+    st = summ.stages.set_index("stage")
+    for col, want in py["summary"].items():
         name = col[:-3]
-        mine = [st.loc[name, c] for c in ("p50_ns", "p90_ns", "p99_ns")]
-        if not np.allclose(mine, qs, rtol=0, atol=1e-3):
-            raise AssertionError(f"{name} percentiles {mine} != {qs}")
+        mine = [st.loc[name, c] for c in ("p50_ns", "p90_ns", "p99_ns", "mean_ns", "total_ns",
+                                          "share_mean", "share_of_total")]
+        theirs = [*want["q"], want["mean"], want["total"], want["share_mean"],
+                  want["share_of_total"]]
+        if not all(_close(float(x), float(y)) for x, y in zip(mine, theirs, strict=True)):
+            raise AssertionError(f"{name}: vectorised {mine} != loop {theirs}")
+    slow = summ.slowest.set_index("stage")
+    sw = py["slowest"]
+    for col in (f"{s}_ns" for s in STAGES):
+        got = slow.loc[col[:-3]]
+        if not (_close(float(got["threshold_ns"]), sw["threshold"])
+                and int(got["requests"]) == sw["requests"]
+                and _close(float(got["mean_ns"]), sw[col][0])
+                and _close(float(got["share"]), sw[col][1])):
+            raise AssertionError(f"slowest {col}: vectorised {got.to_dict()} != loop {sw[col]}")
+    win = summ.windows.set_index("window_start_ns")
+    if sorted(win.index.tolist()) != list(py["windows"]):
+        raise AssertionError("windows differ")
+    for start, want in py["windows"].items():
+        got = win.loc[start]
+        if int(got["requests"]) != want["requests"]:
+            raise AssertionError(f"window {start}: request counts differ")
+        for col, qs in want.items():
+            if col == "requests":
+                continue
+            mine = [float(got[f"{col[:-3]}_{c}"]) for c in ("p50_ns", "p90_ns", "p99_ns")]
+            if not all(_close(x, y) for x, y in zip(mine, qs, strict=True)):
+                raise AssertionError(f"window {start} {col}: vectorised {mine} != loop {qs}")
     if vec["acct"].totals != py["totals"]:
         raise AssertionError("accounting totals differ")
 
 
 def _subsample(requests: pd.DataFrame, spans: pd.DataFrame, n: int
                ) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The first `n` requests and their spans (matched by request_num, as read)."""
     sub = requests.iloc[:n].reset_index(drop=True)
-    keep = spans["request_id"].isin(sub["request_id"]).fillna(False).to_numpy(dtype=bool)
+    keep = spans["request_num"].isin(sub["request_num"]).fillna(False).to_numpy(dtype=bool)
     return sub, spans.loc[keep].reset_index(drop=True)
-
-
 
 
 def _timed(fn: Any, *args: Any) -> tuple[float, Any, float]:
@@ -524,8 +601,12 @@ def _measure_full(store: Path, n_spans: int, reps: int) -> None:
 
 def _measure_loop(store: Path, n: int, pairs: int) -> None:
     from agent.runstore import open_run
+    from analyzers.ttft import PARTITION_SPAN_COLUMNS, PARTITION_SPAN_KINDS
 
-    s = open_run(store, tables=("requests", "spans"))
+    # Both sides get the same frames: the projected, filtered read of measure 1.
+    s = open_run(store, tables=("requests", "spans"),
+                 columns={"spans": PARTITION_SPAN_COLUMNS},
+                 filters={"spans": [("kind", "in", list(PARTITION_SPAN_KINDS))]})
     requests, spans = s.requests, s.spans
     sub_req, sub_spans = _subsample(requests, spans, n)
     del s, requests, spans

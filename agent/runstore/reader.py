@@ -51,6 +51,23 @@ class RunStore:
             self._frames[name] = to_pandas(self.tables[name], TABLES[name])
         return self._frames[name]
 
+    def frame_without(self, name: str, column: str, value: str) -> pd.DataFrame:
+        """Table `name` as a DataFrame less the rows whose string `column` equals `value`
+        (e.g. the spans without their step rows, which only the step cost model reads, from
+        the Arrow table: those rows are never converted). Not cached; the cached frame, less
+        those rows, when `frame` has built it already."""
+        import pyarrow.compute as pc
+
+        tbl = self.tables[name]
+        if name in self._frames or column not in tbl.column_names:
+            df = self.frame(name)
+            if column not in df:
+                return df
+            return df.loc[df[column].ne(value).fillna(True).to_numpy(bool)].reset_index(
+                drop=True)
+        drop = pc.fill_null(pc.equal(tbl[column], pa.scalar(value, tbl[column].type)), False)
+        return to_pandas(tbl.filter(pc.invert(drop)), TABLES[name])
+
     @property
     def requests(self) -> pd.DataFrame:
         return self.frame("requests")

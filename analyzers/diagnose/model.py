@@ -272,14 +272,16 @@ class Context:
         origin_ns: the run's time origin (seconds in findings count from it); default the
             first arrival.
         run_path: the run directory for next-step commands (``RUN`` when unknown).
+        spans_end_ns: the latest span end of the run when `spans` holds only some of its
+            spans (`kvscope analyze` leaves the step spans out); default: from `spans`.
     """
 
     def __init__(self, requests: pd.DataFrame, spans: pd.DataFrame, *,
                  layers: pd.DataFrame | None, samples: pd.DataFrame | None,
                  events: pd.DataFrame | None, config: DiagnoseConfig,
                  part: pd.DataFrame | None, run_config: Mapping[str, Any] | None = None,
-                 cost: Any = None, origin_ns: int | None = None, run_path: str | None = None
-                 ) -> None:
+                 cost: Any = None, origin_ns: int | None = None, run_path: str | None = None,
+                 spans_end_ns: int | None = None) -> None:
         from analyzers.ttft import partition
 
         self.requests = requests.reset_index(drop=True)
@@ -306,12 +308,17 @@ class Context:
             origin_ns = int(arr.min()) if len(arr) else 0
         self.origin_ns = origin_ns
         self.run_path = run_path
+        self.spans_end_ns = spans_end_ns
 
     def run_end_ns(self) -> int:
         """The latest time the run recorded (finishes, spans, events, samples)."""
         ends = [self.origin_ns]
+        if self.spans_end_ns is not None and self.spans_end_ns >= 0:
+            ends.append(int(self.spans_end_ns))
         for frame, col in ((self.requests, "finish_ns"), (self.spans, "end_ns"),
                            (self.events, "ts_ns"), (self.samples, "ts_ns")):
+            if frame is self.spans and self.spans_end_ns is not None:
+                continue
             if frame is not None and len(frame) and col in frame:
                 v = F.ints(frame[col], -1)
                 if (v >= 0).any():

@@ -124,6 +124,7 @@ def diagnose_report(
     cost: Any = None,
     origin_ns: int | None = None,
     run_path: str | None = None,
+    spans_end_ns: int | None = None,
 ) -> DiagnoseReport:
     """Run the rules over a run and say what each found, or why it could not look.
 
@@ -141,6 +142,8 @@ def diagnose_report(
         origin_ns: the run's time origin (`analyzers.timebase.run_origin_ns`); windows and
             ``--window`` arguments count from it (default: the first arrival).
         run_path: the run directory, named in next-step commands (default ``RUN``).
+        spans_end_ns: the run's latest span end when `spans` holds only some of its spans
+            (the step spans left out); default: from `spans`.
 
     Returns:
         a `DiagnoseReport`.
@@ -168,7 +171,7 @@ def diagnose_report(
         pre_skipped = ()
     ctx = Context(requests, spans, layers=layers, samples=samples, events=events,
                   config=cfg, part=part, run_config=run_config, cost=cost,
-                  origin_ns=origin_ns, run_path=run_path)
+                  origin_ns=origin_ns, run_path=run_path, spans_end_ns=spans_end_ns)
     found: list[Finding] = []
     skipped: list[NotEvaluated] = list(pre_skipped)
     passed: list[str] = []

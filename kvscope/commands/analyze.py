@@ -43,7 +43,14 @@ def analyze(
         raise InputError(f"--by {by}: expected one of {', '.join(GROUPS)}")
 
     from agent.runstore import open_run
-    from analyzers.report import build_report, render, render_import
+    from analyzers.report import (
+        REPORT_SPAN_COLUMNS,
+        REPORT_SPAN_FILTER,
+        STEP_SPAN_COLUMNS,
+        build_report,
+        render,
+        render_import,
+    )
 
     window_ns = None if window_s is None else max(int(window_s * 1e9), 1)
     if run.is_file():
@@ -54,7 +61,10 @@ def analyze(
                   if len(imp.requests) else None)
         text = render_import(imp, report, fmt)
     else:
-        store = open_run(run)
+        # Only the span columns the report reads (Parquet decodes no others), and the step
+        # spans (most of a run's rows) apart, in the few columns the step cost model reads.
+        store = open_run(run, columns={"spans": REPORT_SPAN_COLUMNS},
+                         filters={"spans": REPORT_SPAN_FILTER})
         if not len(store.requests):
             state = store.writer
             why = "" if state.status != "killed" else f"; the run was {state.describe()}"
@@ -66,7 +76,11 @@ def analyze(
                                  f"gone): nothing to analyze{why}")
             raise InputError(f"{run / 'requests'}: no requests recorded (nothing to "
                              f"analyze){why}")
-        text = render(build_report(store, by=by, window_ns=window_ns), fmt)
+        from agent.runstore.reader import read_table
+
+        steps, _ = read_table(run, "spans", [], store.meta["schema_version"], store.meta,
+                              columns=STEP_SPAN_COLUMNS, row_filter=~REPORT_SPAN_FILTER)
+        text = render(build_report(store, by=by, window_ns=window_ns, steps=steps), fmt)
     if output is None:
         typer.echo(text, nl=False)
     else:

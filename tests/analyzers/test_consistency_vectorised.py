@@ -1,0 +1,90 @@
+"""The vectorised accounting check (`analyzers.consistency.check_consistency`) against the
+per-request replay it replaced (`tests.analyzers.consistency_replay`), on random ledgers that
+exercise every rule: loads and failures before any admission, preemptions with and without
+one, rows at the same ns, unknown failure reasons and tiers, abandoned reads, spans of
+unknown or missing requests, a request id given twice. Both must name the same mismatches,
+in the same order, with the same values."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from analyzers.consistency import CHECKED_COLUMNS, check_consistency
+from tests.analyzers.consistency_replay import check_consistency_replay
+
+_LEDGER_NAMES = ("lookup", "device_hit", "load", "failed_timeout", "failed_error",
+                 "failed_checksum", "failed_unheard_of", "preempted", "abandoned", "write",
+                 "evicted_again")
+_TIERS = ("host", "remote", None, "disk")
+
+
+def _random_run(seed: int, n: int = 30, rows: int = 600, dup: bool = False
+                ) -> tuple[pd.DataFrame, pd.DataFrame]:
+    rng = np.random.default_rng(seed)
+    ids = [f"r{i}" for i in range(n)]
+    if dup:
+        ids[-1] = ids[0]
+    first = rng.integers(0, 60, n).astype(object)
+    first[rng.random(n) < 0.2] = None
+    req = pd.DataFrame({"request_id": ids, "first_token_ns": pd.array(first, dtype="Int64"),
+                        "prompt_tokens": rng.integers(0, 200, n)})
+    for c in CHECKED_COLUMNS:
+        req[c] = rng.integers(0, 4, n) * rng.integers(0, 40, n)
+    pick_id = np.array([*ids, "stranger", None], dtype=object)
+    n_led = rows // 2
+    ledger = pd.DataFrame({
+        "request_id": pick_id[rng.integers(0, len(pick_id), n_led)],
+        "kind": "ledger",
+        "name": np.array(_LEDGER_NAMES, dtype=object)[rng.integers(0, len(_LEDGER_NAMES),
+                                                                   n_led)],
+        "start_ns": rng.integers(0, 80, n_led),
+        "tier": np.array(_TIERS, dtype=object)[rng.integers(0, len(_TIERS), n_led)],
+        "tokens": rng.integers(0, 64, n_led),
+        "bytes": rng.integers(0, 5000, n_led),
+        "block": rng.integers(0, 12, n_led),
+        "transfer_id": pd.array(rng.integers(0, 20, n_led), dtype="Int64"),
+    })
+    n_act = rows - n_led
+    act = pd.DataFrame({
+        "request_id": pick_id[rng.integers(0, len(pick_id), n_act)],
+        "kind": np.array(["activity", "state", "step"], dtype=object)[
+            rng.integers(0, 3, n_act)],
+        "name": np.array(["h2d", "remote_read", "prefill"], dtype=object)[
+            rng.integers(0, 3, n_act)],
+        "start_ns": rng.integers(0, 80, n_act),
+        "tier": None,
+        "tokens": rng.integers(0, 64, n_act),
+        "bytes": rng.integers(0, 5000, n_act),
+        "block": 0,
+        "transfer_id": pd.array(rng.integers(0, 20, n_act), dtype="Int64"),
+    })
+    spans = pd.concat([ledger, act], ignore_index=True)
+    spans = spans.iloc[rng.permutation(len(spans))].reset_index(drop=True)
+    spans.loc[rng.random(len(spans)) < 0.05, "transfer_id"] = pd.NA
+    return req, spans
+
+
+@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("pb", [None, 96])
+def test_the_same_mismatches_as_the_replay(seed: int, pb: int | None) -> None:
+    req, spans = _random_run(seed, dup=seed % 5 == 0)
+    got = check_consistency(req, spans, block_size=8, kv_bytes_per_block=pb)
+    want = check_consistency_replay(req, spans, block_size=8, kv_bytes_per_block=pb)
+    assert (got.available, got.requests, got.columns, got.reason) == (
+        want.available, want.requests, want.columns, want.reason)
+    assert len(want.mismatches)
+    pd.testing.assert_frame_equal(got.mismatches, want.mismatches)
+
+
+def test_recorded_values_equal_to_the_replay_give_no_mismatch() -> None:
+    """Write the replay's own recomputation into the requests: nothing is left to report."""
+    req, spans = _random_run(7)
+    want = check_consistency_replay(req, spans, block_size=8, kv_bytes_per_block=96)
+    fixed = req.copy()
+    for row in want.mismatches.itertuples():
+        fixed.loc[fixed["request_id"] == row.request_id, row.column] = row.recomputed
+    assert check_consistency_replay(fixed, spans, block_size=8,
+                                    kv_bytes_per_block=96).mismatches.empty
+    assert check_consistency(fixed, spans, block_size=8, kv_bytes_per_block=96).ok
