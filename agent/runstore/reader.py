@@ -426,7 +426,8 @@ def _conform(tbl: pa.Table, schema: pa.Schema, where: Path) -> pa.Table:
     family (a string where an integer is expected, a float for an integer) is rejected rather
     than reinterpreted.
     """
-    missing = [f.name for f in schema if f.name not in tbl.column_names]
+    have = set(tbl.column_names)
+    missing = [f.name for f in schema if f.name not in have]
     if missing:
         raise InputError(f"{where}: missing column(s) {', '.join(missing)}")
     tbl = tbl.select(schema.names)
@@ -490,7 +491,7 @@ def read_table(path: Path, name: str, gaps: list[str], version: int = SCHEMA_VER
     for _, p in parts:
         try:
             t = _read_part(p, name, schema, version, row_filter) if (
-                columns is not None or row_filter is not None) else pq.read_table(p)
+                columns is not None or row_filter is not None) else _read_whole(p)
         except (pa.ArrowException, OSError) as exc:
             raise InputError(f"{p}: unreadable Parquet part ({exc})") from None
         tables.append(_conform(upgrade(t, name, version, meta), schema, p))
@@ -499,16 +500,28 @@ def read_table(path: Path, name: str, gaps: list[str], version: int = SCHEMA_VER
     return pa.concat_tables(tables), seqs
 
 
+def _read_whole(p: Path) -> pa.Table:
+    """One part, every column: the file read directly, on this thread (a run holds hundreds
+    of small parts; `pq.read_table` sets up a dataset scan and a thread pool for each, which
+    costs more than reading it)."""
+    with pq.ParquetFile(p) as f:
+        return f.read(use_threads=False)
+
+
 def _read_part(p: Path, name: str, schema: pa.Schema, version: int, row_filter: Any
                ) -> pa.Table:
     """One part, projected to `schema`'s columns (those the part has, plus what `upgrade`
     needs to recompute them) and filtered. String columns are decoded as Parquet stores them,
     dictionary-encoded, so that the filter runs on codes and only the rows kept are turned
     into strings (`_conform` casts them back: the result is the same)."""
-    have = set(pq.read_schema(p).names)
-    want = [c for c in schema.names if c in have]
-    if version < 2 and name == "requests" and "lookup_tokens" in want and "prompt_tokens" in have:
-        want.append("prompt_tokens")  # a version-1 lookup_tokens is recomputed from it
+    with pq.ParquetFile(p) as f:
+        have = set(f.schema_arrow.names)
+        want = [c for c in schema.names if c in have]
+        if version < 2 and name == "requests" and "lookup_tokens" in want \
+                and "prompt_tokens" in have:
+            want.append("prompt_tokens")  # a version-1 lookup_tokens is recomputed from it
+        if row_filter is None:  # columns only: the file read directly (see `_read_whole`)
+            return f.read(columns=want, use_threads=False)
     strings = [c for c in want if pa.types.is_string(TABLES[name].field(c).type)]
     return pq.read_table(p, columns=want, filters=row_filter, read_dictionary=strings)
 
