@@ -241,7 +241,8 @@ def fit_step_cost(spans: pd.DataFrame | pa.Table, *, seed: int = 0,
     Args:
         spans: the run store's ``spans`` frame or Arrow table (`step_samples`).
         seed: the bootstrap's seed (the fit is deterministic for a given run and seed).
-        n_boot: bootstrap resamples.
+        n_boot: bootstrap resamples; 0 for the estimates alone (intervals NaN): the same
+            estimates, bit for bit, as they are drawn before the resamples.
 
     Returns:
         a `StepCost` (with `reason` set when the run has too few steps, or a single token
@@ -262,8 +263,11 @@ def fit_step_cost(spans: pd.DataFrame | pa.Table, *, seed: int = 0,
         boots[b] = _theil_sen(x, ns, rng, rng.integers(0, n, n))
     ok = np.isfinite(boots).all(axis=1)
     a = (1 - _CONFIDENCE) / 2
-    s_lo, s_hi = np.quantile(boots[ok, 0], [a, 1 - a])
-    i_lo, i_hi = np.quantile(boots[ok, 1], [a, 1 - a])
+    if ok.any():
+        s_lo, s_hi = np.quantile(boots[ok, 0], [a, 1 - a])
+        i_lo, i_hi = np.quantile(boots[ok, 1], [a, 1 - a])
+    else:  # n_boot=0: the estimates alone
+        s_lo = s_hi = i_lo = i_hi = float("nan")
     if not slope > 0:
         return _unfitted(f"the fitted per-token cost is not positive ({slope:.3g} ns) over "
                          f"{n:,} steps: step time does not grow with tokens here", n)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +26,7 @@ import pandas as pd
 import streamlit as st
 
 from agent.schema import TABLES, TOKEN_COLUMNS
+from dashboard import preread
 
 if TYPE_CHECKING:
     from analyzers.accounting import TokenAccounting
@@ -96,21 +97,7 @@ class RunData:
         return bool(len(self.requests)) and bool(self.requests[cols].notna().any().any())
 
 
-def run_version(path: str | os.PathLike[str]) -> int:
-    """The newest mtime (ns) of a run directory's run.json and table folders, or of a file.
-
-    Adding a part renames a file into a table folder, which bumps that folder's mtime, so this
-    stats a handful of entries, not every part. Raises FileNotFoundError when `path` is absent.
-    """
-    p = Path(path)
-    newest = p.stat().st_mtime_ns
-    if p.is_dir():
-        for name in ("run.json", *TABLES):
-            try:
-                newest = max(newest, (p / name).stat().st_mtime_ns)
-            except FileNotFoundError:
-                continue
-    return newest
+run_version = preread.run_version  # (there, so that the server's read-ahead can use it)
 
 
 def _label_of(path: str) -> str:
@@ -140,36 +127,16 @@ def run_labels(paths: tuple[str, ...] | list[str]) -> list[str]:
     return out
 
 
-def _open_store(p: Path) -> Any:
-    """`agent.runstore.open_run` of a run directory, its tables read (and converted to
-    DataFrames) concurrently: a 2,000-request run holds hundreds of small Parquet parts, read
-    one after another in about 2 s, and Arrow releases the GIL while it reads and converts.
-
-    The same store `open_run(p)` returns: each table through `open_run(p, tables=(name,))`
-    (the one validation of run.json and of the parts), gaps in table order, and a run whose
-    spans are missing while it has requests refused as `open_run` refuses it.
-    """
+def _open_store(path: str, version: int) -> Any:
+    """`agent.runstore.open_run` of a run directory, as `dashboard.preread.read_store` reads it
+    (its tables concurrently), or as the server's read-ahead already read it at `version`;
+    its tables then converted to DataFrames concurrently (Arrow releases the GIL while it
+    converts)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from agent.runstore.reader import DEFAULT_REQUIRED, RunStore, open_run
-
-    names = tuple(TABLES)
-
-    def one(name: str) -> Any:
-        return open_run(p, tables=(name,), require=())
-
-    with ThreadPoolExecutor(max_workers=len(names)) as pool:
-        parts = dict(zip(names, pool.map(one, names), strict=True))
-        store = RunStore(path=p, meta=parts[names[0]].meta,
-                         tables={n: parts[n].tables[n] for n in names},
-                         gaps=[g for n in names for g in parts[n].gaps],
-                         parts={n: parts[n].parts.get(n, []) for n in names},
-                         missing=[m for n in names for m in parts[n].missing])
-        has_requests = bool(store.tables["requests"].num_rows)
-        for name in DEFAULT_REQUIRED:
-            if name in store.missing and has_requests:
-                open_run(p)  # raises InputError naming the missing table, as `open_run` does
-        list(pool.map(store.frame, names))  # Arrow → pandas, concurrently
+    store = preread.take(path, version) or preread.read_store(Path(path))
+    with ThreadPoolExecutor(max_workers=len(TABLES)) as pool:
+        list(pool.map(store.frame, tuple(TABLES)))  # Arrow → pandas, concurrently
     return store
 
 
@@ -190,7 +157,7 @@ def load_run(path: str, version: int) -> RunData:
     """
     p = Path(path)
     if p.is_dir():
-        store = _open_store(p)
+        store = _open_store(path, version)
         notes = [f"missing part: {g}" for g in store.gaps]
         if store.meta.get("status") not in (None, "complete"):
             notes.append(f"run.json status is {store.meta.get('status')!r}: the run did not "
@@ -268,11 +235,16 @@ def diagnoses(path: str, version: int) -> tuple[DiagnoseReport | None, str | Non
         from analyzers.diagnose import diagnose_report
     except ImportError as exc:
         return None, f"diagnoses unavailable ({exc})"
+    from analyzers.costmodel import fit_step_cost
+
     run = load_run(path, version)
     try:
         # The same arguments as `analyzers.report.build_report` (what `kvscope analyze`
-        # prints), so the findings and their evidence read the same here and there.
+        # prints), so the findings and their evidence read the same here and there. The rules
+        # read the step cost model's estimates, not its bootstrap intervals: fitted without
+        # the resamples (the same estimates; 300 resamples are most of the diagnoses' time).
         report = diagnose_report(run.requests, run.spans, layers=run.layers,
+                                 cost=fit_step_cost(run.spans, n_boot=0),
                                  samples=run.samples, events=run.events,
                                  part=partition(path, version),
                                  run_config=run.meta.get("config") if run.is_store else None,
@@ -641,31 +613,40 @@ def collector_notes(path: str, version: int) -> dict[str, str]:
 OVERVIEW_GROUP = "hit_class"
 
 
+#: Set once a page's first script run has finished in this process (`streamlit_app.py`): the
+#: warm-up's second phase (`warm_rest`) waits for it, so that it does not take the CPU (and the
+#: GIL the server's static files are sent under) while a browser draws its first page.
+FIRST_PAGE_SENT = threading.Event()
+
+
 def warm(paths: list[str] | tuple[str, ...]) -> list[str]:
     """Compute, in the order the pages first ask for them, the cached results the pages
-    show for each run (`dashboard.serve` calls this once in the server process, before the
-    first session): the Overview's first (load, TTFT summaries, accounting, incidents,
-    diagnoses), then the other pages' tables, then the Compare page's default comparison
-    (the first run against the second).
+    show for each run: `warm_overview`, then `warm_rest`.
 
     Every call is the one the page makes, with the same arguments, so the page finds it in
     the cache (`tests/dashboard/test_app_data.py` renders the pages after `warm` with the
     analyses made to fail). Returns one line per run that could not be read (the page then
     says why itself); nothing raises.
     """
+    errors = warm_overview(paths)
+    return errors + warm_rest(paths)
+
+
+def warm_overview(paths: list[str] | tuple[str, ...]) -> list[str]:
+    """The first phase of `warm`: each run loaded and the Overview's analyses (TTFT
+    summaries, accounting, incidents, diagnoses). `dashboard.serve` runs it as the server
+    starts; returns one line per run that could not be read."""
     paths = [str(p) for p in paths]
     errors: list[str] = []
-    versions: dict[str, int] = {}
     if paths:
         run_labels(tuple(paths))
-    for i, path in enumerate(paths):
+    for path in paths:
         try:
             version = run_version(path)
             run = load_run(path, version)
         except (OSError, ValueError) as exc:  # InputError is a ValueError
             errors.append(f"{path}: {exc}")
             continue
-        versions[path] = version
         if not len(run.requests):
             continue
         ttft_summary(path, version)
@@ -675,7 +656,25 @@ def warm(paths: list[str] | tuple[str, ...]) -> list[str]:
         incidents(path, version)
         origin_ns(path, version)
         diagnoses(path, version)
-        if i == 0:
+    return errors
+
+
+def warm_rest(paths: list[str] | tuple[str, ...]) -> list[str]:
+    """The second phase of `warm`: the other pages' tables for the first run, and the
+    Compare page's default comparison (the first run against the second). Runs that cannot
+    be read are skipped (the first phase reported them); returns one line per comparison
+    that failed."""
+    paths = [str(p) for p in paths]
+    errors: list[str] = []
+    versions: dict[str, int] = {}
+    for i, path in enumerate(paths):
+        try:
+            version = run_version(path)
+            run = load_run(path, version)
+        except (OSError, ValueError):
+            continue
+        versions[path] = version
+        if i == 0 and len(run.requests):
             slowest_requests(path, version)
             pool_counters(path, version)
             layer_table(path, version)

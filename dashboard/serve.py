@@ -5,13 +5,20 @@
 takes exactly the arguments of ``python -m streamlit`` (what `kvscope dashboard` builds with
 `kvscope.commands.dashboard.streamlit_argv`) and, before the first browser session:
 
+- reads the runs' Parquet parts on a thread (`dashboard.preread`) while it imports;
+
 - imports what every page needs (pandas, pyarrow, Plotly, the analyzers, `dashboard.figures`,
   Streamlit's server) before the server starts listening, so no session waits for them;
 - from the moment Streamlit's runtime exists (just before the server listens), loads each run
-  and runs the analyses its pages show (`dashboard.data.warm`) on a background thread,
+  and runs the Overview's analyses (`dashboard.data.warm_overview`) on a background thread,
   filling the process-wide caches the pages read. A session that asks for a result being computed
   waits for it (Streamlit holds a lock per cached value), never computes it twice; a run that
-  cannot be read is skipped here and the page says why, as without the warm-up.
+  cannot be read is skipped here and the page says why, as without the warm-up;
+- then waits until a first page has been sent (`dashboard.data.FIRST_PAGE_SENT`) and its
+  browser has had `SETTLE_S` to fetch the page's components from this process and draw, or
+  `FIRST_PAGE_WAIT_S` when nobody comes, before the other pages' results
+  (`dashboard.data.warm_rest`): computed earlier, they would compete with that first page for
+  this process (the GIL the static files are sent under) and the machine's cores.
 """
 
 from __future__ import annotations
@@ -25,6 +32,10 @@ from collections.abc import Sequence
 #: How long the warm-up thread waits for Streamlit's runtime before giving up (the pages then
 #: compute everything on first use, as they would without it).
 RUNTIME_WAIT_S = 120.0
+#: How long the second phase of the warm-up waits for a first page to be sent.
+FIRST_PAGE_WAIT_S = 30.0
+#: After that first page is sent, how long its browser is left to fetch and draw it.
+SETTLE_S = 3.0
 
 _LOG = logging.getLogger("kvscope.dashboard")
 
@@ -73,7 +84,11 @@ def _warm(paths: list[str]) -> None:
         logging.ERROR)
     from dashboard import data  # every module it imports is loaded: no concurrent import
 
-    for why in data.warm(paths):
+    for why in data.warm_overview(paths):
+        _LOG.info("warm-up: %s", why)
+    if data.FIRST_PAGE_SENT.wait(FIRST_PAGE_WAIT_S):
+        time.sleep(SETTLE_S)
+    for why in data.warm_rest(paths):
         _LOG.info("warm-up: %s", why)
 
 
@@ -84,10 +99,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     Everything is imported on this thread before the warm-up starts: two threads importing
     the same package at once can see it half initialised (pandas' ``Series`` missing)."""
     args = list(sys.argv[1:] if argv is None else argv)
+    paths = runs_of(args)
+    if paths and args[:1] == ["run"]:
+        from dashboard import preread  # pyarrow only: the thread imports nothing more
+
+        preread.start(paths)
     preload()
     from streamlit.web import cli
 
-    paths = runs_of(args)
     if paths and args[:1] == ["run"]:
         threading.Thread(target=_warm, args=(paths,), name="kvscope-warm-up",
                          daemon=True).start()

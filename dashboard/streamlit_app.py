@@ -12,6 +12,7 @@ from pathlib import Path
 
 import streamlit as st
 
+from dashboard import data
 from dashboard.views import common
 
 PAGES = Path(__file__).resolve().parent / "views"
@@ -38,3 +39,4 @@ pages = [
 if len(paths) >= 2:
     pages.append(st.Page(PAGES / "compare.py", title="Compare", url_path="compare"))
 st.navigation(pages).run()
+data.FIRST_PAGE_SENT.set()  # the warm-up's second phase may start (`dashboard.serve`)

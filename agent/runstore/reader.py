@@ -453,6 +453,12 @@ def _conform(tbl: pa.Table, schema: pa.Schema, where: Path) -> pa.Table:
     return pa.Table.from_arrays(cols, schema=schema)
 
 
+def _empty(schema: pa.Schema) -> pa.Table:
+    """A table of `schema` with no rows (`Schema.empty_table` imports pandas; this does not,
+    so that reading a store never loads pandas unless a DataFrame is asked for)."""
+    return pa.Table.from_batches([], schema=schema)
+
+
 def read_table(path: Path, name: str, gaps: list[str], version: int = SCHEMA_VERSION,
                meta: dict[str, Any] | None = None, *, columns: Sequence[str] | None = None,
                row_filter: Any = None) -> tuple[pa.Table, list[int]]:
@@ -475,7 +481,7 @@ def read_table(path: Path, name: str, gaps: list[str], version: int = SCHEMA_VER
         schema = pa.schema([f for f in schema if f.name in wanted])
     d = path / name
     if not d.is_dir():
-        return schema.empty_table(), []
+        return _empty(schema), []
     parts = sorted((int(m.group(1)), p) for p in d.iterdir() if (m := PART_RE.match(p.name)))
     seqs = [s for s, _ in parts]
     if seqs:
@@ -496,7 +502,7 @@ def read_table(path: Path, name: str, gaps: list[str], version: int = SCHEMA_VER
             raise InputError(f"{p}: unreadable Parquet part ({exc})") from None
         tables.append(_conform(upgrade(t, name, version, meta), schema, p))
     if not tables:
-        return schema.empty_table(), seqs
+        return _empty(schema), seqs
     return pa.concat_tables(tables), seqs
 
 
@@ -598,7 +604,7 @@ def open_run(path: str | os.PathLike[str], tables: tuple[str, ...] | None = None
     missing: dict[str, str] = {}  # table → why
     for name, schema in TABLES.items():
         if tables is not None and name not in tables:
-            out[name] = schema.empty_table()
+            out[name] = _empty(schema)
             continue
         out[name], seqs[name] = read_table(
             p, name, gaps, meta["schema_version"], meta,

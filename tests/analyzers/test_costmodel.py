@@ -153,3 +153,18 @@ def test_the_fit_on_a_long_run_is_unchanged_by_the_bracketed_median(
     plain = fit_step_cost(spans, n_boot=40)
     assert fast.fitted and fast.steps == 900
     assert fast == plain
+
+
+def test_without_resamples_the_estimates_are_the_same() -> None:
+    """n_boot=0 (the dashboard's diagnoses, which read the estimates only): the same fixed and
+    per-token cost to the last bit, on all pairs and on sampled pairs alike; no interval."""
+    rng = np.random.default_rng(7)
+    for steps in (80, 900):
+        tokens = rng.integers(16, 512, steps).tolist()
+        ns = [3e6 + 25_000 * t + rng.normal(0, 4e5) for t in tokens]
+        full, bare = fit_step_cost(_steps(tokens, ns)), fit_step_cost(_steps(tokens, ns),
+                                                                      n_boot=0)
+        assert bare.fitted and (bare.fixed_ns, bare.per_token_ns) == (full.fixed_ns,
+                                                                      full.per_token_ns)
+        assert all(np.isnan(v) for v in (*bare.fixed_ci_ns, *bare.per_token_ci_ns))
+        assert full.per_token_ci_ns[0] <= full.per_token_ns <= full.per_token_ci_ns[1]

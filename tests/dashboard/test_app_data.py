@@ -307,3 +307,24 @@ def test_one_label_per_run(tmp_path: Path) -> None:
     assert data.run_labels((path, str(GOLDEN_RUN))) == ["pool", "golden"]
     assert data.run_labels((str(GOLDEN_RUN), str(GOLDEN_RUN))) == [str(GOLDEN_RUN),
                                                                    f"{GOLDEN_RUN} #2"]
+
+
+def test_the_dashboards_findings_are_kvscope_analyzes(tmp_path: Path) -> None:
+    """The Overview's diagnoses (its cost model fitted without resamples) are those `kvscope
+    analyze` reports, finding for finding and word for word, on a run whose cost model is
+    fitted and whose device pool thrashes (findings that quote the fitted cost)."""
+    from analyzers.report import build_report
+    from kvscope.session import RunOptions, run_session
+
+    out = tmp_path / "run"
+    run_session(RunOptions(workload="docqa", num_requests=24, rate=0, model="tiny", out=out,
+                           metrics_port=0, threads=1, num_blocks=48))
+    path = str(out)
+    report, why = data.diagnoses(path, data.run_version(path))
+    assert why is None and report is not None
+    cli = build_report(open_run(out)).diagnoses
+    assert cli is not None and cli.findings
+    assert [f.to_dict() for f in report.findings] == [f.to_dict() for f in cli.findings]
+    assert report.passed == cli.passed
+    assert [n.to_dict() for n in report.not_evaluated] == [n.to_dict() for n in cli.not_evaluated]
+    assert any("at the fitted" in e for f in report.findings for e in f.evidence)

@@ -75,3 +75,48 @@ def test_warm_up_skips_what_it_cannot_read(tmp_path: Path) -> None:
     errors = data.warm([str(missing), str(tmp_path / "empty")])
     assert len(errors) == 2 and errors[0].startswith(f"{missing}: ")
     assert errors[1].startswith(f"{tmp_path / 'empty'}: ")
+
+
+def test_the_read_ahead_is_the_store_open_run_reads(tmp_path: Path) -> None:
+    """`dashboard.preread`: the tables the server reads while it starts are `open_run`'s; a
+    run changed since (another version), a file and an unreadable run are left to
+    `load_run`, which then reads (or refuses) it itself."""
+    from agent.runstore import open_run
+    from dashboard import preread
+
+    run = tmp_path / "run"
+    shutil.copytree(GOLDEN_RUN, run)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "run.json").write_text("{")
+    preread.start([str(run), str(bad), str(tmp_path / "gone")]).join(30)
+    version = preread.run_version(run)
+    assert preread.take(str(bad), preread.run_version(bad)) is None
+    store = preread.take(str(run), version)
+    assert store is not None
+    want = open_run(run)
+    for name in want.tables:
+        assert store.tables[name].equals(want.tables[name]), name
+    assert preread.take(str(run), version) is None  # taken once
+    preread.start([str(run)]).join(30)
+    assert preread.take(str(run), version + 1) is None  # the run changed since: read again
+    # load_run takes what was read, and gives the frames open_run gives.
+    preread.start([str(run)]).join(30)
+    loaded = data.load_run(str(run), version)
+    assert loaded.spans.equals(want.spans) and loaded.requests.equals(want.requests)
+    with pytest.raises(ValueError, match=r"run\.json"):
+        data.load_run(str(bad), preread.run_version(bad))
+
+
+def test_the_read_ahead_never_imports_pandas(tmp_path: Path) -> None:
+    """The reading thread runs while the server's main thread imports pandas: it must not
+    import it too (two threads importing one package can see it half initialised)."""
+    import subprocess
+
+    code = ("import sys; from dashboard import preread; "
+            f"preread.start([{str(GOLDEN_RUN)!r}]).join(60); "
+            f"assert preread.take({str(GOLDEN_RUN)!r}, preread.run_version({str(GOLDEN_RUN)!r}))"
+            " is not None; print(sorted(m for m in sys.modules if m.split('.')[0] == 'pandas'))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
+                         capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
