@@ -291,9 +291,12 @@ class LLMEngine:
         tel = self.tel
         clock = self.clock
         self.stats.steps += 1
+        # Phase ranges (NVTX push/pop, profiler ranges) only when something receives them;
+        # everything else the step records is one call at its end (`step_done`).
+        ranges = tel is not None and tel.ranges()
         step_id = tel.next_step() if tel else -1
         t0 = clock()
-        if tel:
+        if ranges:
             tel.phase("schedule", step_id)
         sched = sched_.schedule()
         t1 = clock()
@@ -301,31 +304,39 @@ class LLMEngine:
         batch, tokens = len(reqs), sched.total_tokens
         if sched.preempted:
             self.stats.preemptions += len(sched.preempted)
-        if tel:
+        if ranges:
             tel.phase_end()
         self.life.scheduled(reqs, t0)
         if not reqs:  # every waiting request waits on a remote read (or nothing fits)
             return []
         self.last_step_ran = True
-        if tel:
+        if ranges:
             tel.phase("prepare", step_id)
         inp = self.runner.prepare(reqs, num_new)
-        if tel:
+        if ranges:
             tel.phase_end()
         layer_ready = self.flow.before_forward(reqs) if self.flow is not None else None
         t2 = clock()
-        if tel:
+        if ranges:
             tel.phase("forward", step_id)
+        if tel and not tel.cpu:  # CUDA events, resolved in a later step
             mark = tel.begin_forward()
-        logits = self.runner.forward(inp, layer_ready=layer_ready)
-        if tel:
+            logits = self.runner.forward(inp, layer_ready=layer_ready)
             tel.end_forward(mark, step_id, batch, tokens)
+            forward = None
+        elif tel:
+            f0 = clock()
+            logits = self.runner.forward(inp, layer_ready=layer_ready)
+            forward = (f0, clock())
+        else:
+            logits = self.runner.forward(inp, layer_ready=layer_ready)
+        if ranges:
             tel.phase_end()
             tel.phase("sample", step_id)
         t3 = clock()
         sampled = self.runner.sample(logits, inp.sampling)
         t4 = clock()
-        if tel:
+        if ranges:
             tel.phase_end()
         if self.flow is not None:
             self.flow.after_step(reqs, num_new)
@@ -333,12 +344,15 @@ class LLMEngine:
         evicted = self.kv.take_evictions()
         self.stats.evicted_blocks += evicted
         if tel:
-            tel.step_done(step_id, t0, t1, t2, t3, t4, batch, tokens)
-            self._publish(evicted, t4)
+            sched_ = self.scheduler
+            tel.step_done(step_id, t0, t1, t2, t3, t4, forward, batch, tokens,
+                          device=self.kv.state_counts(), flow=self.flow,
+                          running=len(sched_.running), waiting=len(sched_.waiting),
+                          preemptions=self.stats.preemptions, evicted=evicted)
         return outputs
 
     def _publish(self, evicted: int, t: int) -> None:
-        """(Engine loop) pool samples and the engine's status, after a step or at close."""
+        """(Engine loop, at close) pool samples and the engine's status."""
         assert self.tel is not None
         flow = self.flow
         pools = (PoolStatus("device", *self.kv.state_counts()),)

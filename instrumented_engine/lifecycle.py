@@ -156,9 +156,7 @@ class RequestLifecycle:
         probes = req.lookup_probes or [
             (tier, req.arrival_ns, req.lookup_done_ns, 0, tokens // bs)
             for tier, tokens in promised.items()]
-        for tier, t0, t1, first, blocks in probes:
-            rec.activity("lookup", t0, t1, request_num=rn, tier=tier, tokens=blocks * bs)
-            rec.ledger("lookup", rn, t=t1, tier=tier, tokens=blocks * bs, block=first)
+        rec.lookups(rn, probes, bs)  # per tier, its activity span and its ledger row
 
     def enter(self, req: Request, state: int, t: int | None = None) -> None:
         """Move a request that has no first token yet into `state` at `t` (now if None)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import math
 import os
@@ -672,10 +673,16 @@ def run_session(opts: RunOptions, *, on_start: Callable[[int, str | None], None]
             hw.start()
         if on_start is not None:
             on_start(len(arrivals), url)
+        # The model, the pools and every module are built and live until the run ends: out
+        # of the collector's reach (as servers do after start-up), a full collection no
+        # longer walks them in the middle of an engine step.
+        gc.collect()
+        gc.freeze()
         try:
             with _profiler(opts.profile, recorder, opts.out):
                 result = driver.run()
         finally:
+            gc.unfreeze()
             if hw is not None:
                 hw.stop()
             sink.status = ("error" if result is None

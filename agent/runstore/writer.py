@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from agent.clock import ClockAnchor, process_anchor
 from agent.errors import InputError
@@ -119,6 +118,55 @@ def _encodings(schema: pa.Schema) -> dict[str, Any]:
     return {"use_dictionary": strings, "column_encoding": deltas}
 
 
+def write_parquet(data: pa.Table, sink: Any, *, compression: str,
+                  memory_pool: pa.MemoryPool | None = None, **options: Any) -> None:
+    """`pyarrow.parquet.write_table(data, sink, compression=..., **options)`, byte for byte,
+    without importing `pyarrow.parquet`: that module loads `pyarrow.fs` and with it the S3,
+    GCS, Azure and HDFS filesystems and OpenSSL (~9 MiB of RSS a process that only writes
+    parts never uses). The writer class is `pyarrow.parquet.ParquetWriter`'s own, given the
+    arguments it gives; where that class is missing or takes other arguments (another pyarrow),
+    the public function writes instead (`memory_pool` then ignored)."""
+    try:
+        from pyarrow._parquet import ParquetWriter
+    except ImportError:  # pragma: no cover - another pyarrow layout
+        ParquetWriter = None
+    if ParquetWriter is not None:
+        try:
+            writer = ParquetWriter(
+                sink, data.schema, version="2.6", compression=compression,
+                write_statistics=True, use_deprecated_int96_timestamps=False,
+                writer_engine_version="V2", data_page_version="1.0",
+                use_compliant_nested_type=True, store_schema=True, memory_pool=memory_pool,
+                **options)
+        except TypeError:  # pragma: no cover - the private class changed its arguments
+            pass
+        else:
+            try:
+                writer.write_table(data)
+            finally:
+                writer.close()
+            return
+    import pyarrow.parquet as pq  # pragma: no cover
+
+    pq.write_table(data, sink, compression=compression, **options)  # pragma: no cover
+
+
+def parquet_num_rows(path: Path) -> int:
+    """Rows of the Parquet file at `path`, from its footer (`pyarrow.parquet.read_metadata`
+    without importing `pyarrow.parquet`, as `write_parquet`)."""
+    try:
+        from pyarrow._parquet import ParquetReader
+
+        with pa.OSFile(str(path)) as fh:
+            reader = ParquetReader()
+            reader.open(fh)
+            return int(reader.metadata.num_rows)
+    except (ImportError, AttributeError, TypeError):  # pragma: no cover - another pyarrow
+        import pyarrow.parquet as pq
+
+        return int(pq.read_metadata(path).num_rows)
+
+
 class RunStoreWriter:
     """Appends parts to a run directory.
 
@@ -134,6 +182,9 @@ class RunStoreWriter:
             run.json's `restarts` records this process. Refused while the run's writer is
             still alive, or when the run was written by another producer or schema version.
         compression: Parquet codec.
+        memory_pool: the Arrow memory pool Parquet encoding allocates from (None: pyarrow's
+            default; a long-lived writer of small parts, the node agent, passes the system
+            allocator so that the pool does not keep its high-water mark).
     """
 
     def __init__(
@@ -146,6 +197,7 @@ class RunStoreWriter:
         overwrite: bool = False,
         resume: bool = False,
         compression: str = "zstd",
+        memory_pool: pa.MemoryPool | None = None,
     ) -> None:
         from agent import __version__
 
@@ -161,6 +213,7 @@ class RunStoreWriter:
                                  "another --out or remove it")
         self.path.mkdir(parents=True, exist_ok=True)
         self.compression = compression
+        self.memory_pool = memory_pool
         self.anchor = anchor or process_anchor()
         self._seq: dict[str, int] = {}
         self._rows: dict[str, int] = {t: 0 for t in TABLES}
@@ -228,7 +281,8 @@ class RunStoreWriter:
         tmp = d / f".{final.name}.{os.getpid()}.tmp"
         try:
             with open(tmp, "wb") as fh:
-                pq.write_table(data, fh, compression=self.compression, **_encodings(data.schema))
+                write_parquet(data, fh, compression=self.compression,
+                              memory_pool=self.memory_pool, **_encodings(data.schema))
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(tmp, final)
@@ -263,7 +317,7 @@ class RunStoreWriter:
         out = []
         for mtime, seq, size, p in self._parts((table,)):
             try:
-                n = pq.read_metadata(p).num_rows
+                n = parquet_num_rows(p)
             except (OSError, pa.ArrowException):
                 n = 0  # unreadable: the reader will name it
             out.append((mtime, seq, size, p, n))

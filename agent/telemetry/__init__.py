@@ -4,10 +4,14 @@ Public surface: `Recorder` (request states, activity/step/layer rows, events, sa
 engine's `EngineStatus`), `RequestAccounting`, the state codes (`STATE_CODE`), the clock codes
 (`CLOCK_CPU`, `CLOCK_CUDA`), `IntervalTimer` and `check_partition`. This is all of the agent an
 engine (ours, or an observer inside another one) imports.
+
+`check_partition` and `PartitionViolation` load on first use: they need pyarrow.compute, which
+a process writing tables only (the node agent's run store) does not.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from agent.schema import STATE_CODE, STATES
-from agent.telemetry.partition import PartitionViolation, check_partition
 from agent.telemetry.recorder import (
     CLOCK_CPU,
     CLOCK_CUDA,
@@ -18,6 +22,9 @@ from agent.telemetry.recorder import (
 from agent.telemetry.states import output_digest
 from agent.telemetry.status import BREAKER_STATES, EngineStatus, PoolStatus, RemoteStatus
 from agent.telemetry.timer import IntervalTimer, Mark
+
+if TYPE_CHECKING:
+    from agent.telemetry.partition import PartitionViolation, check_partition
 
 __all__ = [
     "BREAKER_STATES",
@@ -37,3 +44,11 @@ __all__ = [
     "check_partition",
     "output_digest",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("PartitionViolation", "check_partition"):
+        from agent.telemetry import partition
+
+        return getattr(partition, name)
+    raise AttributeError(f"module 'agent.telemetry' has no attribute {name!r}")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from array import array
+import struct
+from collections.abc import Callable
 from dataclasses import dataclass, fields
+from operator import attrgetter
 
 from agent.schema import ACCOUNTING_COLUMNS
 
@@ -50,16 +52,18 @@ class RequestAccounting:
 
     def values(self) -> tuple[int, ...]:
         """The fields in `ACCOUNTING_COLUMNS` order."""
-        return tuple(getattr(self, c) for c in ACCOUNTING_COLUMNS)
+        return _fields(self)
 
     def checked_values(self) -> tuple[int, ...]:
         """`values()`, validated as non-negative int64s.
 
         Raises:
-            TypeError, OverflowError, ValueError: a field is not an integer, does not fit int64,
-                or is negative (the run store's accounting columns are non-negative int64).
+            struct.error, ValueError: a field is not an integer or does not fit int64
+                (struct.error), or is negative (ValueError): the run store's accounting
+                columns are non-negative int64.
         """
-        vals = array("q", self.values())  # one C-level type/range check of every field
+        # One C-level type/range check of every field, and them back as plain ints.
+        vals = _INT64S.unpack(_INT64S.pack(*_fields(self)))
         if min(vals) < 0:
             bad = [c for c, v in zip(ACCOUNTING_COLUMNS, vals, strict=True) if v < 0]
             raise ValueError(f"negative accounting field(s): {', '.join(bad)}")
@@ -67,3 +71,6 @@ class RequestAccounting:
 
 
 assert tuple(f.name for f in fields(RequestAccounting)) == ACCOUNTING_COLUMNS
+#: Every accounting field in one C call (a request's row is recorded at its end).
+_fields: Callable[[RequestAccounting], tuple[int, ...]] = attrgetter(*ACCOUNTING_COLUMNS)
+_INT64S = struct.Struct(f"{len(ACCOUNTING_COLUMNS)}q")

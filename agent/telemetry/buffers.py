@@ -9,6 +9,7 @@ again, so the Arrow arrays built over them are views of the segment's memory.
 
 from __future__ import annotations
 
+import struct
 from array import array
 from collections import deque
 from typing import Any
@@ -18,22 +19,41 @@ import pyarrow as pa
 
 
 class Segment:
-    """Fixed-capacity int64 columns. `n` counts the rows written; rows [0, n) are complete."""
+    """Fixed-capacity int64 columns. `n` counts the rows written; rows [0, n) are complete.
 
-    __slots__ = ("cap", "cols", "drained", "n", "names", "waits")
+    Column-major (`cols`, one `array('q')` per column) by default; with `row_major` one buffer
+    of whole rows (`buf`) that `pack(buf, i * row_bytes, *row)` fills in a single C call
+    (`struct.Struct.pack_into`: every value checked as an int64, as the array stores are),
+    for a table whose rows are always written whole (request states).
+    """
 
-    def __init__(self, names: tuple[str, ...], cap: int) -> None:
+    __slots__ = ("buf", "cap", "cols", "drained", "n", "names", "pack", "row_bytes", "waits")
+
+    def __init__(self, names: tuple[str, ...], cap: int, *, row_major: bool = False) -> None:
         self.names = names
         self.cap = cap
         self.n = 0
         self.drained = 0  # written only by the drain side
-        zeros = bytes(8 * cap)
-        self.cols = tuple(array("q", zeros) for _ in names)
+        if row_major:
+            st = struct.Struct(f"{len(names)}q")
+            self.buf: bytearray | None = bytearray(st.size * cap)
+            self.pack: Any = st.pack_into
+            self.row_bytes = st.size
+            self.cols: tuple[array, ...] = ()
+        else:
+            zeros = bytes(8 * cap)
+            self.cols = tuple(array("q", zeros) for _ in names)
+            self.buf = None
+            self.pack = None
+            self.row_bytes = 0
         # Sparse per-row extra data (a state span's waits_on); most rows have none.
         self.waits: dict[int, tuple[int, ...]] | None = None
 
     def view(self, i: int, lo: int, hi: int) -> np.ndarray:
-        """Column i, rows [lo, hi), as a zero-copy int64 view."""
+        """Column i, rows [lo, hi), as a zero-copy int64 view (strided when row-major)."""
+        if self.buf is not None:
+            rows = np.frombuffer(self.buf, dtype=np.int64).reshape(self.cap, len(self.names))
+            return rows[lo:hi, i]
         return np.frombuffer(self.cols[i], dtype=np.int64, count=hi - lo, offset=8 * lo)
 
 
@@ -71,15 +91,17 @@ class SegmentedTable:
     """
 
     __slots__ = ("active", "cap", "cols", "foreign", "full", "max_foreign", "max_segments",
-                 "name")
+                 "name", "row_major")
 
-    def __init__(self, name: str, cols: tuple[str, ...], cap: int, max_segments: int) -> None:
+    def __init__(self, name: str, cols: tuple[str, ...], cap: int, max_segments: int, *,
+                 row_major: bool = False) -> None:
         self.name = name
         self.cols = cols
         self.cap = cap
         self.max_segments = max_segments
         self.max_foreign = cap * max_segments
-        self.active = Segment(cols, cap)
+        self.row_major = row_major
+        self.active = Segment(cols, cap, row_major=row_major)
         self.full: deque[Segment] = deque()
         self.foreign: deque[tuple[array, int, str | None]] = deque()
 
@@ -88,7 +110,7 @@ class SegmentedTable:
         if len(self.full) >= self.max_segments:
             return None
         self.full.append(self.active)
-        self.active = Segment(self.cols, self.cap)
+        self.active = Segment(self.cols, self.cap, row_major=self.row_major)
         return self.active
 
     def take(self, late_ids: dict[int, str]) -> list[Chunk]:

@@ -114,15 +114,26 @@ class Recorder(RequestStates, OtherRecords):
         if retain_ids < 0:
             raise ValueError(f"retain_ids must be >= 0, got {retain_ids}")
         self._clock = clock
+        # `now` is the clock itself (an engine reads it for every timestamp): one call, not a
+        # method calling it.
+        self.now = clock  # type: ignore[method-assign]
         self.anchor = anchor or process_anchor()
         self._owner = threading.get_ident()
         self._intern_lock = threading.Lock()
         self._stats_lock = threading.Lock()  # error/drop paths only, never the normal hot path
         self._drain_lock = threading.Lock()
-        self._state = SegmentedTable("spans", _STATE_COLS, segment_rows, max_segments)
-        self._act = SegmentedTable("spans", _ACT_COLS, segment_rows, max_segments)
+        # Request states are written whole by the owner only: one packed store per row.
+        self._state = SegmentedTable("spans", _STATE_COLS, segment_rows, max_segments,
+                                     row_major=True)
+        # Activity and ledger rows are written whole by the owner too: row-major.
+        self._act = SegmentedTable("spans", _ACT_COLS, segment_rows, max_segments,
+                                   row_major=True)
         self._step = SegmentedTable("spans", _STEP_COLS, segment_rows, max_segments)
-        self._layers = SegmentedTable("layers", _LAYER_COLS, segment_rows, max_segments)
+        # One packed row per engine step (`engine_step`): its spans and pool samples.
+        self._steps = SegmentedTable("spans", tables.ENGINE_STEP_COLS, segment_rows,
+                                     max_segments, row_major=True)
+        self._layers = SegmentedTable("layers", _LAYER_COLS, segment_rows, max_segments,
+                                      row_major=True)
         self._max_rows = segment_rows * max_segments
         self._requests: deque[tuple[Any, ...]] = deque()
         self._samples: deque[tuple[Any, ...]] = deque()
@@ -140,8 +151,10 @@ class Recorder(RequestStates, OtherRecords):
         for n in (*STATES, *STEP_PHASES):
             self.intern(n)
         self.stats = RecorderStats()
-        #: The engine's latest self-report (`publish`); None until it publishes one.
-        self.status: EngineStatus | None = None
+        # The engine's latest self-report (`status`): an `EngineStatus`, or what builds one
+        # when it is read (`engine_step`'s `status`), or None until the engine publishes one.
+        self._pub: Any = None
+        self._pub_built: tuple[Any, EngineStatus] | None = None
         #: Extra range annotators (the torch profiler under --profile): slow path only.
         self.annotators: list[Any] = []
         self.nvtx: NvtxAnnotator | None = None
@@ -173,7 +186,25 @@ class Recorder(RequestStates, OtherRecords):
     def publish(self, status: EngineStatus) -> None:
         """(Any thread) the engine's status now; replaces the previous one in one store, so a
         reader (an exporter's scrape) always sees one whole snapshot."""
-        self.status = status
+        self._pub = status
+
+    @property
+    def status(self) -> EngineStatus | None:
+        """The engine's latest self-report (`publish`, or `engine_step`'s `status`, built here
+        on first read); None until it publishes one. Any thread."""
+        pub = self._pub
+        if pub is None or type(pub) is EngineStatus:
+            return pub
+        built = self._pub_built
+        if built is not None and built[0] is pub:
+            return built[1]
+        st = pub[0](*pub[1])  # (builder, args): the step's counts, one reference store
+        self._pub_built = (pub, st)
+        return st
+
+    @status.setter
+    def status(self, status: EngineStatus | None) -> None:
+        self._pub = status
 
     def add_annotator(self, annotator: Any) -> None:
         """Also emit request-stage ranges to `annotator` (start(name, payload)/end(id))."""
@@ -206,7 +237,7 @@ class Recorder(RequestStates, OtherRecords):
         """A fresh transfer id (links activity spans to the states that waited on them)."""
         return next(self._transfer_ids)
 
-    def now(self) -> int:
+    def now(self) -> int:  # replaced by the clock itself in __init__
         """The recorder's clock (monotonic ns)."""
         return self._clock()
 
@@ -247,6 +278,7 @@ class Recorder(RequestStates, OtherRecords):
             state = self._state.take(late)
             act = self._act.take(late)
             step = self._step.take(late)
+            steps = self._steps.take(late)
             layers = self._layers.take(late)
             requests = pop_all(self._requests)
             samples = pop_all(self._samples)
@@ -261,9 +293,9 @@ class Recorder(RequestStates, OtherRecords):
             if act:
                 parts.append(self._build("spans", _rows(act), tables.activity_table, act, ids,
                                          names, off))
-            if step:
-                parts.append(self._build("spans", _rows(step), tables.step_table, step, names,
-                                         off))
+            if step or steps:
+                parts.append(self._build("spans", _rows(step) + _rows(steps) * 4,
+                                         tables.step_table, step, names, off, steps))
             spans = [p for p in parts if p is not None]
             out: dict[str, pa.Table | None] = {}
             if spans:
@@ -274,9 +306,9 @@ class Recorder(RequestStates, OtherRecords):
             if requests:
                 out["requests"] = self._build("requests", len(requests), tables.requests_table,
                                               requests, off)
-            if samples:
-                out["samples"] = self._build("samples", len(samples), tables.samples_table,
-                                             samples, off)
+            if samples or steps:
+                out["samples"] = self._build("samples", len(samples) + _rows(steps) * 6,
+                                             tables.engine_samples_table, steps, samples, off)
             if events:
                 out["events"] = self._build("events", len(events), tables.events_table, events,
                                             off)

@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+from agent.schema import BLOCK_STATES
 from agent.telemetry.buffers import SegmentedTable
 from agent.telemetry.codes import (
     CLOCK_CODES,
@@ -25,6 +26,7 @@ from agent.telemetry.codes import (
 )
 
 _index = operator.index
+_get_ident = threading.get_ident
 
 
 class OtherRecords:
@@ -41,6 +43,8 @@ class OtherRecords:
     _samples: deque[tuple[Any, ...]]
     _max_rows: int
     _clock: Any
+    _pub: Any
+    _steps: SegmentedTable
     nvtx: Any
 
     def intern(self, name: str) -> int: ...
@@ -58,7 +62,13 @@ class OtherRecords:
             if seg is None:
                 self._drop(tbl.name)
                 return
-        for col, v in zip(seg.cols, values, strict=True):
+        if seg.pack is not None:  # row-major: one packed store checks and writes the row
+            seg.pack(seg.buf, i * seg.row_bytes, *values)
+            seg.n = i + 1
+            return
+        # Rows are built here with one value per column: zip without strict=True (a third of
+        # this loop's time).
+        for col, v in zip(seg.cols, values):  # noqa: B905
             col[i] = v  # a non-int raises before the row is published
         seg.n = i + 1
 
@@ -116,9 +126,19 @@ class OtherRecords:
             self._error()
 
     def _put_activity(self, row: tuple[int, ...], request_num: int) -> None:
-        if threading.get_ident() == self._owner:
-            self._request_id(request_num)
-            self._append(self._act, row)
+        if _get_ident() == self._owner:
+            if request_num != -1 and request_num not in self._ids:
+                self._count_unknown()
+            # `_append` inlined (activity and ledger rows are the most frequent after states):
+            # the table is row-major, one packed store checks every value and writes the row.
+            tbl = self._act
+            seg = tbl.active
+            i = seg.n
+            if i == seg.cap:
+                self._append(tbl, row)
+                return
+            seg.pack(seg.buf, i * seg.row_bytes, *row)
+            seg.n = i + 1
         else:
             # Resolve the id now: the request may be retired before the drain.
             self._append_foreign(self._act, row, request_num, self._request_id(request_num))
@@ -150,6 +170,49 @@ class OtherRecords:
         except Exception:
             self._error()
 
+    def lookups(self, rn: int, probes: Sequence[tuple[str, int, int, int, int]],
+                block_size: int) -> None:
+        """A request's arrival lookup, one call for every tier it asked: `probes[i]` is
+        (tier, start_ns, end_ns, first block, blocks promised). Per probe the rows of
+        `activity("lookup", start, end, request_num=rn, tier=tier, tokens=blocks * block_size)`
+        then `ledger("lookup", rn, t=end, tier=tier, tokens=blocks * block_size, block=first)`,
+        in that order."""
+        try:
+            code = self._names.get("lookup")
+            if code is None:
+                code = self.intern("lookup")
+            rows = []
+            for tier, t0, t1, first, blocks in probes:
+                tcode = TIER_CODE[tier]
+                if not -1 <= first <= I32_MAX:
+                    raise ValueError(f"block out of range: {first}")
+                tokens = blocks * block_size
+                rows.append((rn, code, t0, t1, tcode, -1, tokens, -1, -1, CLOCK_CPU,
+                             KIND_ACTIVITY, -1))
+                rows.append((rn, code, t1, t1, tcode, -1, tokens, -1, -1, CLOCK_CPU,
+                             KIND_LEDGER, first))
+            if _get_ident() != self._owner:
+                for row in rows:
+                    self._put_activity(row, rn)
+                return
+            if rn != -1 and rn not in self._ids:
+                for _ in rows:
+                    self._count_unknown()
+            tbl = self._act
+            seg = tbl.active
+            i = seg.n
+            k = len(rows)
+            if i + k > seg.cap:
+                for row in rows:
+                    self._append(tbl, row)
+                return
+            pack, buf, size = seg.pack, seg.buf, seg.row_bytes
+            for j, row in enumerate(rows):
+                pack(buf, (i + j) * size, *row)  # a bad value raises before any is published
+            seg.n = i + k
+        except Exception:
+            self._error()
+
     def step_span(
         self,
         step_id: int,
@@ -172,12 +235,115 @@ class OtherRecords:
             if clock not in CLOCK_CODES:
                 raise ValueError(f"clock must be CLOCK_CPU or CLOCK_CUDA, got {clock!r}")
             row = (step_id, code, start_ns, end_ns, batch_requests, tokens, clock)
-            if threading.get_ident() == self._owner:
+            if _get_ident() == self._owner:
                 self._append(self._step, row)
             else:
                 self._append_foreign(self._step, row, -1, None)
         except Exception:
             self._error()
+
+    def step_spans(self, step_id: int, spans: Sequence[tuple[str, int, int, int]], *,
+                   batch_requests: int = -1, tokens: int = -1) -> None:
+        """Several phases of one step in one call: `spans[i]` is (phase, start_ns, end_ns,
+        clock). The same rows as `step_span` once per phase; a bad value records none of
+        them (every row is checked before the first is stored)."""
+        try:
+            if not -1 <= batch_requests <= I32_MAX:
+                raise ValueError(f"batch_requests out of range: {batch_requests}")
+            names = self._names
+            rows = []
+            ints = [step_id, tokens]
+            for phase, start, end, clock in spans:
+                code = names.get(phase)
+                if code is None:
+                    code = self.intern(phase)
+                if clock not in CLOCK_CODES:
+                    raise ValueError(f"clock must be CLOCK_CPU or CLOCK_CUDA, got {clock!r}")
+                ints += (start, end)
+                rows.append((step_id, code, start, end, batch_requests, tokens, clock))
+            array("q", ints)  # every value an int64, checked in C before the first store
+            tbl = self._step
+            if _get_ident() != self._owner:
+                for row in rows:
+                    self._append_foreign(tbl, row, -1, None)
+                return
+            seg = tbl.active
+            for row in rows:
+                i = seg.n
+                if i == seg.cap:
+                    self._append(tbl, row)  # rotates (or drops and counts)
+                    seg = tbl.active
+                    continue
+                for col, v in zip(seg.cols, row):  # noqa: B905 - one value per column
+                    col[i] = v
+                seg.n = i + 1
+        except Exception:
+            self._error()
+
+    def engine_step(self, step_id: int, t0: int, t1: int, t2: int, t3: int, t4: int,
+                    forward: tuple[int, int] | None, batch_requests: int, tokens: int,
+                    device: tuple[int, int, int], host: tuple[int, int, int] | None = None,
+                    extra: Sequence[tuple[str, float, str | None, str | None]] = (), *,
+                    status: tuple[Any, tuple[Any, ...]] | None = None) -> None:
+        """Everything one engine step records, in one call (the engine loop's, once a step),
+        stored as one packed row that the drain expands (`tables.engine_steps`):
+
+        - step spans `schedule` [t0, t1], `prepare` [t1, t2], `sample` [t3, t4] and, when
+          `forward` (start_ns, end_ns) is given (a CPU clock: resolved already), `forward`,
+          in that order: the rows of `step_spans` with these phases;
+        - the device pool's (in_use, cached_free, empty) and the host tier's, when given, as
+          `pool` samples in blocks at t4, then the `extra` pool samples (metric, value,
+          entity, unit) at t4: the rows of `samples("pool", ...)`;
+        - `status`: (builder, args), the engine's status as `builder(*args)` builds it when it
+          is read (`Recorder.status`); None leaves the published one.
+
+        A bad value records none of it (the packed store checks every value first).
+        """
+        try:
+            if not -1 <= batch_requests <= I32_MAX:
+                raise ValueError(f"batch_requests out of range: {batch_requests}")
+            f0, f1 = (-1, -1) if forward is None else forward
+            h0, h1, h2 = (-1, -1, -1) if host is None else host
+            if min(*device, *(() if host is None else host)) < 0:
+                raise ValueError("pool counts must be >= 0")
+            if _get_ident() != self._owner:
+                self._engine_step_foreign(step_id, t0, t1, t2, t3, t4, forward,
+                                          batch_requests, tokens, device, host)
+            else:
+                tbl = self._steps
+                seg = tbl.active
+                i = seg.n
+                if i == seg.cap:
+                    seg = tbl.rotate()
+                    i = 0
+                if seg is None:
+                    self._drop("spans", 3 if forward is None else 4)
+                    self._drop("samples", 3 if host is None else 6)
+                else:
+                    # One C call checks and stores the whole row; published by the count.
+                    seg.pack(seg.buf, i * seg.row_bytes, step_id, t0, t1, t2, t3, t4, f0, f1,
+                             batch_requests, tokens, *device, h0, h1, h2)
+                    seg.n = i + 1
+            if extra:
+                self.samples("pool", extra, t=t4)
+            if status is not None:
+                self._pub = status
+        except Exception:
+            self._error()
+
+    def _engine_step_foreign(self, step_id: int, t0: int, t1: int, t2: int, t3: int, t4: int,
+                             forward: tuple[int, int] | None, batch_requests: int, tokens: int,
+                             device: tuple[int, int, int], host: tuple[int, int, int] | None
+                             ) -> None:
+        """`engine_step` off the owner thread: the same rows through the general calls."""
+        spans = [("schedule", t0, t1, CLOCK_CPU), ("prepare", t1, t2, CLOCK_CPU),
+                 ("sample", t3, t4, CLOCK_CPU)]
+        if forward is not None:
+            spans.append(("forward", forward[0], forward[1], CLOCK_CPU))
+        self.step_spans(step_id, spans, batch_requests=batch_requests, tokens=tokens)
+        rows = [(m, v, tier, "blocks") for tier, counts in (("device", device), ("host", host))
+                if counts is not None for m, v in zip(BLOCK_STATES, counts, strict=True)]
+        self.samples("pool", rows, t=t4)
 
     def push_phase(self, phase: str, step_id: int) -> None:
         """NVTX push for a nested step phase (pair with `pop_phase`). Like the stage ranges,
@@ -228,18 +394,25 @@ class OtherRecords:
                 raise ValueError(f"too many layers: {len(rows)}")
             if any(len(r) != 7 for r in rows):
                 raise ValueError("each layer row has 7 values")
-            # Column by column, in C: building the arrays validates every value first (a bad
-            # one records none of the rows).
-            n = len(rows)
-            cols = [array("q", [rn]) * n, array("q", range(n)),
-                    *(array("q", c) for c in zip(*rows, strict=True))] if n else []
+            full = [(rn, layer, *r) for layer, r in enumerate(rows)]
             tbl = self._layers
             if threading.get_ident() != self._owner:
-                for layer, r in enumerate(rows):
-                    self._append_foreign(tbl, (rn, layer, *r), rn, rid)
+                for row in full:
+                    self._append_foreign(tbl, row, rn, rid)
                 return
-            done = 0
-            while done < n:
+            # Row-major: one packed store per row checks its values; the rows are published
+            # together, so a bad one records none of them.
+            n = len(full)
+            seg = tbl.active
+            i = seg.n
+            if i + n <= seg.cap:
+                pack, buf, size = seg.pack, seg.buf, seg.row_bytes
+                for j, row in enumerate(full):
+                    pack(buf, (i + j) * size, *row)
+                seg.n = i + n
+                return
+            array("q", [v for row in full for v in row])  # checked before the first store
+            for row in full:
                 seg = tbl.active
                 i = seg.n
                 if i == seg.cap:
@@ -248,11 +421,8 @@ class OtherRecords:
                     if seg is None:
                         self._drop(tbl.name)
                         return
-                k = min(n - done, seg.cap - i)
-                for dst, src in zip(seg.cols, cols, strict=True):
-                    dst[i:i + k] = src[done:done + k]
-                seg.n = i + k
-                done += k
+                seg.pack(seg.buf, i * seg.row_bytes, *row)
+                seg.n = i + 1
         except Exception:
             self._error()
 
@@ -273,6 +443,28 @@ class OtherRecords:
                 self._drop("events")
                 return
             self._events.append((t, source, name, rid, detail))
+        except Exception:
+            self._error()
+
+    def samples(self, source: str, rows: Sequence[tuple[str, float, str | None, str | None]],
+                *, t: int | None = None) -> None:
+        """Several samples of one source at one time in one call: `rows[i]` is (metric, value,
+        entity, unit). The same rows as `sample` once per row; a bad row records none."""
+        try:
+            if not isinstance(source, str):
+                raise TypeError("sample source and metric must be str")
+            t = self._clock() if t is None else _index(t)
+            out = []
+            for metric, value, entity, unit in rows:
+                if not (isinstance(metric, str) and (entity is None or isinstance(entity, str))
+                        and (unit is None or isinstance(unit, str))):
+                    raise TypeError("sample metric must be str, entity and unit str or None")
+                out.append((t, source, entity, metric, float(value), unit))
+            room = self._max_rows - len(self._samples)
+            if room < len(out):
+                self._drop("samples", len(out) - max(room, 0))
+                out = out[:max(room, 0)]
+            self._samples.extend(out)
         except Exception:
             self._error()
 

@@ -1,7 +1,9 @@
 """What an engine reports about itself between requests: typed, with no metric names.
 
-The engine loop publishes one `EngineStatus` after every step (`Recorder.publish`: a single
-reference store, so a reader on another thread always sees a whole one). Exporters decide what
+The engine loop publishes one `EngineStatus` after every step (`Recorder.publish`, or with the
+step's other telemetry in `Recorder.engine_step`: what builds it from the step's counts, built
+when `Recorder.status` is read); either is a single reference store, so a reader on another
+thread always sees a whole one. Exporters decide what
 it becomes: `agent.exporters.prometheus` turns it into `kvscope_requests_running`,
 `kvscope_block_pool_blocks`, `kvscope_preemptions_total`, `kvscope_remote_operations_total`
 and `kvscope_remote_breaker_open`. Counts here are cumulative since the engine started.

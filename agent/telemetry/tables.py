@@ -7,13 +7,16 @@ become strings through their vocabulary (dictionary decode in C++).
 from __future__ import annotations
 
 import json
+import operator
 from collections.abc import Sequence
+from itertools import repeat
 from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
 
 from agent.schema import (
+    BLOCK_STATES,
     CLOCKS,
     EVENTS_SCHEMA,
     LAYERS_SCHEMA,
@@ -97,28 +100,66 @@ def activity_table(segs: list[Chunk], ids: IdLookup, names: list[str],
     return pa.table(cols, schema=SPANS_SCHEMA)
 
 
-def step_table(segs: list[Chunk], names: list[str], off: int) -> pa.Table:
-    step = concat_column(segs, 0)
+#: The packed row of one engine step (`Recorder.engine_step`): its phase times, the forward's
+#: (-1, -1: none, its span recorded apart), the batch, and the pools' occupancy (host -1: none).
+ENGINE_STEP_COLS = ("step_id", "t0", "t1", "t2", "t3", "t4", "forward_start", "forward_end",
+                    "batch_requests", "tokens", "device_in_use", "device_cached_free",
+                    "device_empty", "host_in_use", "host_cached_free", "host_empty")
+#: Phases of an engine step's spans, in the order they are recorded.
+_STEP_ORDER = ("schedule", "prepare", "sample", "forward")
+
+
+def _expand(per_step: list[np.ndarray], keep: np.ndarray | None) -> np.ndarray:
+    """Row-wise interleave of per-step columns (step 0's values, then step 1's, ...), keeping
+    the entries `keep` (n × len(per_step)) marks."""
+    m = np.stack(per_step, axis=1)
+    return m.ravel() if keep is None else m[keep]
+
+
+def step_table(segs: list[Chunk], names: list[str], off: int, steps: list[Chunk] | None = None
+               ) -> pa.Table:
+    """Step spans: those of `engine_step` rows (`steps`, each expanded to its phases in
+    `_STEP_ORDER`), then those recorded one by one (`segs`)."""
+    cols = [np.empty(0, np.int64) for _ in range(7)]  # step_id, name, start, end, batch, tok, clock
+    if steps:
+        c = [concat_column(steps, j) for j in range(10)]
+        n = len(c[0])
+        has_fwd = (c[6] != -1) | (c[7] != -1)
+        keep = None
+        if not has_fwd.all():
+            keep = np.ones((n, 4), dtype=bool)
+            keep[:, 3] = has_fwd
+        per = 4 if keep is None else keep.sum(axis=1)
+        codes = np.array([names.index(p) for p in _STEP_ORDER], dtype=np.int64)
+        cols = [np.repeat(c[0], per), _expand([np.broadcast_to(x, n) for x in codes], keep),
+                _expand([c[1], c[2], c[4], c[6]], keep), _expand([c[2], c[3], c[5], c[7]], keep),
+                np.repeat(c[8], per), np.repeat(c[9], per),
+                np.zeros(n * 4 if keep is None else int(keep.sum()), dtype=np.int64)]
+    if segs:
+        legacy = [concat_column(segs, j) for j in range(7)]
+        cols = legacy if not steps else [np.concatenate(p) for p in zip(cols, legacy,
+                                                                         strict=True)]
+    step, name, start, end, batch, tokens, clock = cols
     n = len(step)
-    cols = {
+    table = {
         "request_id": pa.nulls(n, pa.string()),
         "request_num": pa.nulls(n, pa.int64()),
         "kind": pa.repeat(pa.scalar("step"), n),
-        "name": coded_strings(concat_column(segs, 1), names),
-        "start_ns": pa.array(concat_column(segs, 2) + off),
-        "end_ns": pa.array(concat_column(segs, 3) + off),
+        "name": coded_strings(name, names),
+        "start_ns": pa.array(start + off),
+        "end_ns": pa.array(end + off),
         "tier": pa.nulls(n, pa.string()),
         "layer": pa.nulls(n, pa.int32()),
-        "tokens": int_array(concat_column(segs, 5), 0),
+        "tokens": int_array(tokens, 0),
         "bytes": pa.nulls(n, pa.int64()),
         "step_id": pa.array(step),
         "transfer_id": pa.nulls(n, pa.int64()),
         "waits_on": pa.nulls(n, pa.list_(pa.int64())),
-        "clock": coded_strings(concat_column(segs, 6), list(CLOCKS)),
-        "batch_requests": int_array(concat_column(segs, 4), 0, pa.int32()),
+        "clock": coded_strings(clock, list(CLOCKS)),
+        "batch_requests": int_array(batch, 0, pa.int32()),
         "block": pa.nulls(n, pa.int32()),
     }
-    return pa.table(cols, schema=SPANS_SCHEMA)
+    return pa.table(table, schema=SPANS_SCHEMA)
 
 
 def layers_table(segs: list[Chunk], ids: IdLookup) -> pa.Table:
@@ -162,13 +203,28 @@ def _float64(values: tuple[float, ...]) -> pa.Array:
 
 def _string(values: tuple[str | None, ...] | list[str | None]) -> pa.Array:
     n = len(values)
-    # errors="replace": a lone surrogate becomes U+FFFD instead of failing the whole table.
-    enc = [b"" if v is None else str(v).encode("utf-8", "replace") for v in values]
+    # Sample and event columns repeat a few values (sources, metrics, entities, units): each
+    # distinct value is encoded once and the per-row work is C-level lookups (map), not a
+    # Python loop. errors="replace": a lone surrogate becomes U+FFFD instead of failing the
+    # whole table.
+    try:
+        distinct = dict.fromkeys(values)
+    except TypeError:  # an unhashable value: str() of each
+        distinct = {}
+    if all(v is None or type(v) is str for v in distinct) and distinct:
+        codes = {v: b"" if v is None else v.encode("utf-8", "replace") for v in distinct}
+        enc = list(map(codes.__getitem__, values))
+    else:  # other types (1 and 1.0 are one dict key): each value's own str()
+        enc = [b"" if v is None else str(v).encode("utf-8", "replace") for v in values]
+        codes = dict.fromkeys([None]) if any(v is None for v in values) else {}
     offsets = np.zeros(n + 1, dtype=np.int32)
     np.cumsum(np.fromiter(map(len, enc), dtype=np.int32, count=n), out=offsets[1:])
-    valid = np.fromiter((v is not None for v in values), dtype=bool, count=n)
-    nulls = n - int(valid.sum())
-    bitmap = pa.py_buffer(np.packbits(valid, bitorder="little")) if nulls else None
+    nulls = 0
+    bitmap = None
+    if None in codes:
+        valid = np.fromiter(map(operator.is_not, values, repeat(None)), dtype=bool, count=n)
+        nulls = n - int(valid.sum())
+        bitmap = pa.py_buffer(np.packbits(valid, bitorder="little"))
     return pa.Array.from_buffers(pa.string(), n, [bitmap, pa.py_buffer(offsets),
                                                   pa.py_buffer(b"".join(enc))], null_count=nulls)
 
@@ -183,6 +239,42 @@ def samples_table(rows: Sequence[tuple[Any, ...]], off: int) -> pa.Table:
          _string(unit)],
         schema=SAMPLES_SCHEMA,
     )
+
+
+def engine_samples_table(steps: list[Chunk], rows: Sequence[tuple[Any, ...]], off: int
+                         ) -> pa.Table:
+    """The `samples` table of `engine_step` rows (`steps`: per step its device pool's three
+    states, then the host tier's, at the step's t4) merged with sample rows recorded one by
+    one (`rows`, as `samples_table`) in the order they were recorded: a row recorded at t
+    follows every step sample at or before t (the rows' own order is kept)."""
+    if not steps:
+        return samples_table(rows, off)
+    c = [concat_column(steps, j) for j in (5, 10, 11, 12, 13, 14, 15)]
+    n = len(c[0])
+    has_host = c[4] != -1
+    keep = None
+    if not has_host.all():
+        keep = np.ones((n, 6), dtype=bool)
+        keep[:, 3:] = has_host[:, None]
+    ts = np.repeat(c[0], 6 if keep is None else keep.sum(axis=1))
+    m = len(ts)
+    nstates = len(BLOCK_STATES)
+    entity = _expand([np.broadcast_to(np.int64(i // nstates), n) for i in range(6)], keep)
+    metric = _expand([np.broadcast_to(np.int64(i % nstates), n) for i in range(6)], keep)
+    value = _expand(c[1:], keep).astype(np.float64)
+    pool = pa.Table.from_arrays(
+        [pa.array(ts + off), pa.repeat(pa.scalar("pool"), m),
+         coded_strings(entity, ["device", "host"]), coded_strings(metric, list(BLOCK_STATES)),
+         pa.array(value), pa.repeat(pa.scalar("blocks"), m)], schema=SAMPLES_SCHEMA)
+    if not rows:
+        return pool
+    other = samples_table(rows, off)
+    keys = np.concatenate([ts, np.maximum.accumulate(
+        np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows)))])
+    both = pa.concat_tables([pool, other])
+    if (np.diff(keys) >= 0).all():
+        return both
+    return both.take(pa.array(np.argsort(keys, kind="stable")))
 
 
 def detail_json(detail: dict[str, Any] | None) -> str | None:

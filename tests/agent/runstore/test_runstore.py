@@ -408,3 +408,31 @@ def test_a_schema_1_store_reads_in_the_current_schema() -> None:
     assert req.select(same).equals(new.tables["requests"].select(same))
     for name in ("spans", "layers", "samples", "events"):
         assert old.tables[name].equals(new.tables[name]), name
+
+
+def test_parts_are_byte_for_byte_what_pyarrow_parquet_writes(tmp_path: Path) -> None:
+    """`write_parquet` (pyarrow's writer class, no `pyarrow.parquet` import) writes the very
+    bytes `pyarrow.parquet.write_table` does with the same options, with either pool."""
+    import io
+
+    from agent.runstore.writer import _encodings, parquet_num_rows, write_parquet
+    from agent.telemetry.tables import events_table, samples_table
+
+    tables = [samples_table([(i, "host", "cpu0", "util", i / 3, None if i % 2 else "ratio")
+                             for i in range(500)], 10),
+              events_table([(1, "nvml", "collector_unavailable", None, {"why": "x"}),
+                            (2, "engine", "eviction", "req-1", None)], 0)]
+    for t in tables:
+        want = io.BytesIO()
+        pq.write_table(t, want, compression="zstd", **_encodings(t.schema))
+        for pool in (None, pa.system_memory_pool()):
+            got = io.BytesIO()
+            write_parquet(t, got, compression="zstd", memory_pool=pool, **_encodings(t.schema))
+            assert got.getvalue() == want.getvalue()
+        p = tmp_path / "part.parquet"
+        p.write_bytes(want.getvalue())
+        assert parquet_num_rows(p) == t.num_rows
+    w = RunStoreWriter(tmp_path / "run", memory_pool=pa.system_memory_pool())
+    w.write("samples", tables[0])
+    w.close()
+    assert open_run(tmp_path / "run").meta["rows"]["samples"] == 500

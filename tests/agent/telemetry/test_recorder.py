@@ -494,6 +494,13 @@ GARBAGE: list[tuple[str, Any]] = [
     ("sample str value", lambda r, rn: r.sample("pool", "m", "high")),
     ("sample int entity", lambda r, rn: r.sample("pool", "m", 1, entity=3)),
     ("sample None metric", lambda r, rn: r.sample("pool", None, 1)),
+    ("step_spans bad phase type", lambda r, rn: r.step_spans(1, [("prepare", 0, 1, CLOCK_CPU),
+                                                                  (b"fwd", 1, 2, CLOCK_CPU)])),
+    ("step_spans bad clock", lambda r, rn: r.step_spans(1, [("forward", 0, 1, 7)])),
+    ("step_spans str time", lambda r, rn: r.step_spans(1, [("forward", "0", 1, CLOCK_CPU)])),
+    ("samples str value in a later row", lambda r, rn: r.samples(
+        "pool", [("m", 1, None, None), ("m", "high", None, None)])),
+    ("samples int entity", lambda r, rn: r.samples("pool", [("m", 1, 3, None)])),
 ]
 
 
@@ -729,3 +736,65 @@ def test_layers_rows_cross_segment_boundaries() -> None:
     got = rec.drain()["layers"].to_pylist()
     assert [(r["layer"], r["hit_tokens"], r["prompt_tokens"]) for r in got] == [
         (i, i, 1 + i) for i in range(10)]
+
+
+def test_one_step_spans_call_records_what_one_step_span_call_per_phase_does() -> None:
+    phases = [("schedule", 0, 5, CLOCK_CPU), ("prepare", 5, 9, CLOCK_CPU),
+              ("sample", 20, 22, CLOCK_CPU), ("forward", 9, 20, CLOCK_CUDA)]
+    tables = []
+    for batched in (True, False):
+        rec = make()
+        for step in (0, 1):
+            if batched:
+                rec.step_spans(step, phases, batch_requests=3, tokens=70)
+            else:
+                for name, t0, t1, clock in phases:
+                    rec.step_span(step, name, t0, t1, batch_requests=3, tokens=70, clock=clock)
+        t = threading.Thread(target=rec.step_spans, args=(2, phases[:1]),
+                             kwargs={"batch_requests": 1, "tokens": 2})
+        t.start()
+        t.join()
+        tables.append(rec.drain()["spans"].to_pylist())
+        assert rec.stats.recording_errors == 0
+    assert tables[0] == tables[1] and len(tables[0]) == 9
+
+
+def test_one_samples_call_records_what_one_sample_call_per_row_does() -> None:
+    rows = [("in_use", 3, "device", "blocks"), ("empty", 5.5, "host", None),
+            ("remote_read_ok", 7, "remote", "operations")]
+    tables = []
+    for batched in (True, False):
+        rec = make()
+        if batched:
+            rec.samples("pool", rows, t=40)
+        else:
+            for metric, value, entity, unit in rows:
+                rec.sample("pool", metric, value, entity=entity, unit=unit, t=40)
+        tables.append(rec.drain()["samples"].to_pylist())
+        assert rec.stats.recording_errors == 0
+    assert tables[0] == tables[1] and len(tables[0]) == 3
+
+
+def test_samples_beyond_the_bound_are_dropped_and_counted() -> None:
+    rec = Recorder(segment_rows=2, max_segments=2)  # 4 rows at most
+    rec.samples("pool", [("m", i, None, None) for i in range(6)], t=1)
+    assert rec.stats.dropped == {"samples": 2}
+    assert rec.drain()["samples"]["value"].to_pylist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_now_is_the_clock() -> None:
+    clock = FakeClock(7)
+    rec = Recorder(clock=clock)
+    assert rec.now is clock and rec.now() == 7
+
+
+def test_step_spans_cross_segment_boundaries_and_the_bound() -> None:
+    rec = Recorder(segment_rows=3, max_segments=2, anchor=ANCHOR)  # 9 rows before a drain
+    phases = [(name, i, i + 1, CLOCK_CPU) for i, name in
+              enumerate(("schedule", "prepare", "sample", "forward"))]
+    for step in range(3):
+        rec.step_spans(step, phases, batch_requests=1, tokens=2)
+    assert rec.stats.dropped == {"spans": 3}
+    got = rec.drain()["spans"].to_pylist()
+    assert [(r["step_id"], r["name"]) for r in got] == [
+        (s, n) for s in range(3) for n, *_ in phases][:9]
