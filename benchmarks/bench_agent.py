@@ -17,6 +17,17 @@ What it prints:
 node_exporter collects at scrape time; the agent collects on its schedule and a scrape formats
 the last snapshot. So the like-for-like figure is agent (cycle + scrape) against node_exporter's
 scrape; both are printed.
+
+At the real cadence (`--windows N`, the figure to quote): every target runs at once over the
+same wall-clock windows of `--window-s` seconds, each scraped every `--scrape-interval` (15 s,
+Prometheus' default; staggered, kept alive, gzip) and otherwise left alone; the agent runs with
+its default `--interval` (1 s), once without `--out` (collection timed to the scrape) and once
+with `--out DIR` (collection on the fixed cadence, the run store's samples). CPU per wall
+second is each process's utime+stime from `/proc/PID/stat` (10 ms ticks) and, to the
+nanosecond, the sum of `/proc/PID/task/*/schedstat` (threads still alive). node_exporter runs
+(a) on the agent's sources, netdev + cpu + meminfo, and (b) with the series count no greater
+than the agent's: netdev on as many of the agent's interfaces as fit. Ratios agent/node_exporter
+are paired by window; median and its distribution-free interval (`benchstats`), load average.
 """
 
 from __future__ import annotations
@@ -37,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+from benchstats import load_average, median_interval
 
 REPO = Path(__file__).resolve().parents[1]
 PROM_HEADERS = {
@@ -177,6 +189,148 @@ def child_cycles(cycles: int, out: str) -> dict[str, object]:
     }
 
 
+def proc_cpu(pid: int) -> tuple[float, float]:
+    """(utime+stime seconds from /proc/PID/stat, sum of live threads' schedstat seconds)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    ticks = int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+    ns = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                ns += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass  # the thread exited
+    return ticks / os.sysconf("SC_CLK_TCK"), ns / 1e9
+
+
+def count_series(port: int) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    body = scrape(conn)
+    conn.close()
+    return sum(1 for line in body.decode().splitlines() if line and not line.startswith("#"))
+
+
+def start_ne(ne_bin: str, flags: list[str], name: str) -> Target:
+    port = free_port()
+    proc = subprocess.Popen([ne_bin, f"--web.listen-address=127.0.0.1:{port}", *flags],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    t = Target(name, proc, port)
+    wait_serving(t)
+    return t
+
+
+def stop_all(targets: list[Target]) -> None:
+    for t in targets:
+        t.proc.terminate()
+    for t in targets:
+        try:
+            t.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            t.proc.kill()
+
+
+NE_BASE = ["--collector.disable-defaults", "--web.disable-exporter-metrics"]
+
+
+def cadence(args: argparse.Namespace, ne_bin: str, env: dict[str, str], tmp: Path) -> None:
+    """CPU per wall second at the real cadence; see the module docstring."""
+    targets: list[Target] = []
+    try:
+        for name, extra in (("kvscope agent (no --out)", []),
+                            ("kvscope agent (--out)", ["--out", str(tmp / "cadence-run")])):
+            port = free_port()
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "kvscope.cli", "agent", "--port", str(port), *extra],
+                cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            targets.append(Target(name, proc, port))
+            wait_serving(targets[-1])
+        time.sleep(1.5)  # a second collection: the rate gauges (CPU utilization) appear
+        agent_series = max(count_series(t.port) for t in targets[:2])
+        for t in targets[:2]:
+            t.series = count_series(t.port)
+        # (b): netdev on the agent's interfaces, as many as keep the series <= the agent's.
+        devs = sorted(os.listdir("/sys/class/net"))
+        best: tuple[list[str], int] | None = None
+        for k in range(1, len(devs) + 1):
+            flags = [*NE_BASE, "--collector.netdev", "--collector.netdev.device-exclude=",
+                     f"--collector.netdev.device-include=^({'|'.join(devs[:k])})$"]
+            probe = start_ne(ne_bin, flags, "probe")
+            stop_all([probe])
+            if probe.series > agent_series:
+                break
+            best = (flags, probe.series)
+        ne_cfgs: list[tuple[str, list[str]]] = [
+            ("node_exporter netdev+cpu+meminfo", [*NE_BASE, "--collector.netdev",
+                                                  "--collector.cpu", "--collector.meminfo"])]
+        if best is not None:
+            ne_cfgs.append(("node_exporter netdev, series <= agent", best[0]))
+        for name, flags in ne_cfgs:
+            targets.append(start_ne(ne_bin, flags, name))
+        stat_ms: dict[str, list[float]] = {t.name: [] for t in targets}
+        sched_ms: dict[str, list[float]] = {t.name: [] for t in targets}
+        conns = {t.name: http.client.HTTPConnection("127.0.0.1", t.port, timeout=10)
+                 for t in targets}
+        # Staggered scrape times within each scrape interval, as Prometheus spreads targets.
+        offset = {t.name: args.scrape_interval * i / len(targets) for i, t in enumerate(targets)}
+        next_at = {t.name: time.monotonic() + offset[t.name] for t in targets}
+        time.sleep(2.0)
+        for _ in range(args.windows):
+            w0 = time.monotonic()
+            c0 = {t.name: proc_cpu(t.proc.pid) for t in targets}
+            end = w0 + args.window_s
+            while True:
+                now = time.monotonic()
+                if now >= end:
+                    break
+                due = min(next_at.values())
+                if due > now:
+                    time.sleep(min(due, end) - now)
+                    continue
+                for t in targets:
+                    if next_at[t.name] <= now:
+                        scrape(conns[t.name])
+                        next_at[t.name] += args.scrape_interval
+            w1 = time.monotonic()
+            for t in targets:
+                a, b = c0[t.name], proc_cpu(t.proc.pid)
+                stat_ms[t.name].append((b[0] - a[0]) / (w1 - w0) * 1e3)
+                sched_ms[t.name].append((b[1] - a[1]) / (w1 - w0) * 1e3)
+        for c in conns.values():
+            c.close()
+    finally:
+        stop_all(targets)
+
+    print()
+    print(f"real cadence: {args.windows} windows x {args.window_s:g} s, every target scraped "
+          f"every {args.scrape_interval:g} s (staggered, kept alive, gzip), agent at its default "
+          f"--interval; load average {load_average()}")
+    print("CPU ms per wall second, median [min-max] over windows: /proc/PID/stat utime+stime "
+          "(10 ms ticks) | task schedstat (ns)")
+    for t in targets:
+        print(f"  {t.name:38} {t.series:4d} series  stat {fmt_ms(stat_ms[t.name])}  "
+              f"schedstat {fmt_ms(sched_ms[t.name])}")
+    for t in targets[len(targets) - len(ne_cfgs):]:
+        flags = " ".join(f for f in t.proc.args[2:] if f not in NE_BASE)  # type: ignore[union-attr]
+        print(f"  {t.name}: flags {' '.join(NE_BASE)} {flags}")
+    total_s = args.windows * args.window_s
+    print(f"  /proc/PID/stat over all {total_s:g} s: " + "; ".join(
+        f"{t.name} {statistics.fmean(stat_ms[t.name]):.3f} ms/s" for t in targets))
+    print("ratio agent / node_exporter of schedstat CPU per window (paired): median "
+          "[interval]; ratio of the stat totals")
+    for a in targets[:2]:
+        for ne in targets[2:]:
+            d = sched_ms
+            ratios = [x / y for x, y in zip(d[a.name], d[ne.name], strict=True) if y > 0]
+            lo, hi, cov = median_interval(ratios)
+            ne_stat = statistics.fmean(stat_ms[ne.name])
+            tot = (f"{statistics.fmean(stat_ms[a.name]) / ne_stat:.2f}" if ne_stat > 0
+                   else "n/a (no tick)")
+            print(f"  {a.name} / {ne.name}: {statistics.median(ratios):.3f} "
+                  f"[{lo:.3f}-{hi:.3f}] ({cov:.0%} interval, {len(ratios)} windows); stat "
+                  f"totals {tot}; series {a.series} vs {ne.series}")
+
+
 def fmt_ms(xs: list[float]) -> str:
     return f"{statistics.median(xs):7.3f} [{min(xs):.3f}-{max(xs):.3f}]"
 
@@ -186,6 +340,13 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions")
     ap.add_argument("--scrapes", type=int, default=300, help="scrapes per block")
     ap.add_argument("--cycles", type=int, default=10_000, help="collection cycles driven")
+    ap.add_argument("--windows", type=int, default=0,
+                    help="real-cadence windows (0: skip that part)")
+    ap.add_argument("--window-s", type=float, default=60.0, help="seconds per window")
+    ap.add_argument("--scrape-interval", type=float, default=15.0,
+                    help="seconds between scrapes of each target at the real cadence")
+    ap.add_argument("--only-cadence", action="store_true",
+                    help="skip the back-to-back scrape blocks and cycles")
     ap.add_argument("--child-cycles", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -202,6 +363,13 @@ def main() -> int:
     ne_version = (ne_version.stdout or ne_version.stderr).splitlines()[0]
     tmp = Path(tempfile.mkdtemp(prefix="kvscope-bench-agent-"))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    if args.only_cadence:
+        try:
+            print(f"kvscope node agent vs {ne_version}; host: {os.cpu_count()} CPUs")
+            cadence(args, ne_bin, env, tmp)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return 0
     targets: list[Target] = []
     try:
         port = free_port()
@@ -285,6 +453,12 @@ def main() -> int:
     print(f"agent RSS (kvscope agent process): at start {agent_rss_start * mib:.1f} MiB, after "
           f"{args.reps * args.scrapes:,} scrapes {agent_rss_end * mib:.1f} MiB")
     print(f"torch/pandas imported by the agent: {cyc['heavy_modules'] or 'none'}")
+    if args.windows:
+        tmp = Path(tempfile.mkdtemp(prefix="kvscope-bench-agent-"))
+        try:
+            cadence(args, ne_bin, env, tmp)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 

@@ -164,31 +164,36 @@ class Emitter:
         source: the `samples.source` value (nvml, nic, rdma, host).
         ts_ns: monotonic time of this run.
         counters: the collector's `CounterTracker` (state across runs).
+        samples: build `samples` rows (False when no sink takes them: the counters are still
+            followed, so totals stay monotonic and the first rates after a change are right).
     """
 
-    __slots__ = ("counters", "out", "source", "ts")
+    __slots__ = ("counters", "keep", "out", "source", "ts")
 
-    def __init__(self, source: str, ts_ns: int, counters: CounterTracker) -> None:
+    def __init__(self, source: str, ts_ns: int, counters: CounterTracker,
+                 samples: bool = True) -> None:
         self.source = source
         self.ts = ts_ns
         self.counters = counters
+        self.keep = samples  # False: readings only (nothing downstream stores samples)
         self.out = Collection(ts_ns)
 
     def gauge(self, name: str, labels: tuple[str, ...], value: float, entity: str | None,
               metric: str | None = None) -> None:
         """A catalogued gauge; `metric` overrides the sample's metric name."""
-        short, unit = SAMPLE_NAMING[name]
         value = float(value)
         self.out.readings.append(Reading(name, labels, value))
-        self.out.samples.append(Sample(self.ts, self.source, entity, metric or short, value,
-                                       unit))
+        if self.keep:
+            short, unit = SAMPLE_NAMING[name]
+            self.out.samples.append(Sample(self.ts, self.source, entity, metric or short,
+                                           value, unit))
 
     def counter(self, name: str, labels: tuple[str, ...], raw: float, entity: str | None,
                 scale: float = 1.0) -> None:
         """A catalogued counter from a raw reading; `scale` converts to base units (RDMA x4)."""
         total, rate = self.counters.update((name, labels), raw, self.ts)
         self.out.readings.append(Reading(name, labels, total * scale))
-        if rate is not None:
+        if rate is not None and self.keep:
             short, unit = SAMPLE_NAMING[name]
             self.out.samples.append(Sample(self.ts, self.source, entity, short, rate * scale,
                                            unit))
@@ -198,7 +203,9 @@ class Emitter:
         """A rate sample from a raw counter without an exposed series; returns the rate."""
         _, r = self.counters.update(key, raw, self.ts)
         if r is not None:
-            self.out.samples.append(Sample(self.ts, self.source, entity, metric, r * scale, unit))
+            if self.keep:
+                self.out.samples.append(Sample(self.ts, self.source, entity, metric, r * scale,
+                                               unit))
             return r * scale
         return None
 
@@ -222,6 +229,8 @@ class BaseCollector(ABC):
 
     name: str = "base"
     source: str = "agent"
+    #: Build `samples` rows (a runner with no sink turns this off for its collectors).
+    keep_samples: bool = True
 
     def __init__(self) -> None:
         self.available = True

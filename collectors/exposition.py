@@ -11,18 +11,21 @@ Two ways, same bytes:
 - `TextRenderer`: what the node agent's /metrics serves. prometheus-client's `generate_latest`
   validates and escapes every name and label on every scrape (~7 µs a series); the catalogue
   fixes the names and the series set changes only when hardware appears or vanishes, so the
-  renderer keeps each series' `name{labels} ` prefix and a scrape is one join of prefixes and
-  formatted values. Its output is byte-for-byte `generate_latest`'s (tested).
+  renderer keeps each series' `name{labels} ` prefix, and its last line with the value it
+  formatted, so a scrape is one join of lines and formats only the values that moved. Its
+  output is byte-for-byte `generate_latest`'s (tested).
 
-A scrape reads no hardware: it formats the snapshot the collector threads left behind, so
-scrapes cost the same however many Prometheus servers poll, and a slow device never stalls
-/metrics. Series of an entity that vanished disappear with its next run.
+Rendering reads no hardware: it formats the runner's latest snapshot. Whoever serves it
+decides how fresh that must be: the node agent without a run store has stale collectors run
+first (`CollectorRunner.refresh`, collection timed to the scrape, at most once per half
+interval however many Prometheus servers poll; a slow device delays /metrics by a bounded
+wait at worst). Series of an entity that vanished disappear with its next run.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
@@ -95,7 +98,12 @@ class TextRenderer:
         # Label names sorted like generate_latest; `order` maps sorted position → value index.
         self._order = {s.name: sorted(range(len(s.labels)), key=lambda i, s=s: s.labels[i])
                        for s in specs}
-        self._prefix: dict[tuple[str, tuple[str, ...]], str] = {}
+        # series → [prefix, last value, last line]: a counter that did not move (most error
+        # and drop counters) or a constant gauge is not formatted again.
+        self._prefix: dict[tuple[str, tuple[str, ...]], list[Any]] = {}
+        # family → (its rows last time, its text): a family none of whose series moved
+        # (error and drop counters, memory total, most health series) is one comparison.
+        self._block: dict[str, tuple[list[Reading], str]] = {}
 
     def _make_prefix(self, s: MetricSpec, labels: tuple[str, ...]) -> str:
         if not s.labels:
@@ -108,17 +116,29 @@ class TextRenderer:
         """The exposition of `readings` (as `CollectorRunner.readings()` returns them)."""
         if len(self._prefix) > self.max_cached:
             self._prefix.clear()
+            self._block.clear()
         prefix = self._prefix
+        blocks = self._block
         out: list[str] = []
         for s in self.specs:
             rows = readings.get(s.name)
             if not rows:
                 continue
+            last = blocks.get(s.name)
+            if last is not None and last[0] == rows:
+                out.append(last[1])
+                continue
+            start = len(out)
             out.append(self._header[s.name])
             for r in rows:
                 key = (s.name, r.labels)
-                p = prefix.get(key)
-                if p is None:
-                    p = prefix[key] = self._make_prefix(s, r.labels)
-                out.append(f"{p}{floatToGoString(r.value)}\n")
+                c = prefix.get(key)
+                if c is None:
+                    p = self._make_prefix(s, r.labels)
+                    c = prefix[key] = [p, r.value, f"{p}{floatToGoString(r.value)}\n"]
+                elif c[1] != r.value or r.value != r.value:  # moved (or NaN)
+                    c[1] = r.value
+                    c[2] = f"{c[0]}{floatToGoString(r.value)}\n"
+                out.append(c[2])
+            blocks[s.name] = (rows, "".join(out[start:]))
         return "".join(out).encode()

@@ -1,12 +1,15 @@
-"""Host CPU and memory from procfs, and watched processes (the engine, the agent) via psutil.
+"""Host CPU and memory from procfs, and watched processes (the engine, the agent).
 
 - CPU utilization: from the aggregate `cpu` line of `<proc_root>/stat` between two runs,
   busy = user + nice + system + irq + softirq + steal, over busy + idle + iowait (guest time is
   already inside user/nice, so it is not added twice).
 - Memory used: MemTotal - MemAvailable from `<proc_root>/meminfo` (what `free` calls
   "available" is what a new allocation can get; node_exporter users compute the same).
-- Processes: resident memory and user + system CPU seconds of each watched pid (psutil on the
-  live /proc: the page size and clock tick it needs are the running kernel's).
+- Processes: resident memory and user + system CPU seconds of each watched pid, from the live
+  `/proc/<pid>/stat` (utime + stime over the kernel's clock tick, rss in pages times the page
+  size: what psutil's `cpu_times()` and `memory_info().rss` compute). The file stays open and
+  is re-read from offset 0 each run; once the process is gone (reaped) the read fails, so a
+  pid the kernel hands to a new process is never read as the watched one.
 """
 
 from __future__ import annotations
@@ -14,15 +17,15 @@ from __future__ import annotations
 import logging
 import os
 
-import psutil
-
 from agent.clock import now_ns
-from collectors.base import BaseCollector, Collection, CounterTracker, Emitter, read_text
+from collectors.base import BaseCollector, Collection, CounterTracker, Emitter
 
 log = logging.getLogger(__name__)
 
 _STAT_BUSY = (0, 1, 2, 5, 6, 7)  # user nice system irq softirq steal
 _STAT_IDLE = (3, 4)  # idle iowait
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 
 def parse_cpu_line(text: str) -> tuple[int, int]:
@@ -43,6 +46,8 @@ def parse_meminfo(text: str) -> tuple[int, int]:
         parts = rest.split()
         if parts:
             kb[key] = int(parts[0])
+            if key == "MemAvailable" and "MemTotal" in kb:
+                break  # the fourth line or so: the other ~50 are not needed
     total = kb["MemTotal"]
     avail = kb.get("MemAvailable")
     if avail is None:  # kernels before 3.14
@@ -70,23 +75,28 @@ class HostCollector(BaseCollector):
         self.clock = clock
         self.counters = CounterTracker()
         self._cpu_prev: tuple[int, int] | None = None
-        self._procs: dict[str, psutil.Process] = {}
+        self._fds: dict[str, int] = {}  # stat and meminfo, kept open and re-read from 0
+        self._procs: dict[str, tuple[int, int]] = {}  # label -> (pid, fd of /proc/pid/stat)
         for label, pid in (watch or {}).items():
             try:
-                self._procs[label] = psutil.Process(pid)
-            except psutil.Error as exc:
+                fd = os.open(f"/proc/{int(pid)}/stat", os.O_RDONLY)
+            except OSError as exc:
+                reason = ("no such process" if isinstance(exc, FileNotFoundError)
+                          else exc.strerror or str(exc))
                 log.warning("kvscope collectors: cannot watch process %s (pid %d): %s",
-                            label, pid, exc)
+                            label, pid, reason)
+                continue
+            self._procs[label] = (int(pid), fd)
 
     def collect(self) -> Collection:
-        em = Emitter(self.source, self.clock(), self.counters)
-        busy, total = parse_cpu_line(read_text(self.stat_path))
+        em = Emitter(self.source, self.clock(), self.counters, self.keep_samples)
+        busy, total = parse_cpu_line(self._read(self.stat_path))
         prev = self._cpu_prev
         self._cpu_prev = (busy, total)
         if prev is not None and total > prev[1]:
             ratio = min(1.0, max(0.0, (busy - prev[0]) / (total - prev[1])))
             em.gauge("kvscope_host_cpu_utilization_ratio", (), ratio, "host")
-        mem_total, mem_used = parse_meminfo(read_text(self.meminfo_path))
+        mem_total, mem_used = parse_meminfo(self._read(self.meminfo_path))
         em.gauge("kvscope_host_memory_total_bytes", (), mem_total, "host")
         em.gauge("kvscope_host_memory_used_bytes", (), mem_used, "host")
         for label in list(self._procs):
@@ -95,15 +105,55 @@ class HostCollector(BaseCollector):
         return em.out
 
     def _read_process(self, em: Emitter, label: str) -> None:
-        proc = self._procs[label]
+        pid, fd = self._procs[label]
         try:
-            with proc.oneshot():
-                rss = proc.memory_info().rss
-                t = proc.cpu_times()
-        except psutil.Error:
+            text = os.pread(fd, 4096, 0)
+            # pid (comm) state ...: comm may hold spaces and parentheses; fields after the
+            # last ')' start at field 3 (state), so utime/stime/rss (14, 15, 24) are 11, 12, 21.
+            fields = text[text.rindex(b")") + 2:].split()
+            cpu = (int(fields[11]) + int(fields[12])) / _CLK_TCK
+            rss = int(fields[21]) * _PAGE_SIZE
+        except (OSError, ValueError, IndexError):  # ESRCH once reaped; nothing to read
             del self._procs[label]
-            em.event("process_exited", {"process": label, "pid": proc.pid})
+            os.close(fd)
+            em.event("process_exited", {"process": label, "pid": pid})
             return
         labels = (label,)
         em.gauge("kvscope_process_resident_memory_bytes", labels, rss, label)
-        em.counter("kvscope_process_cpu_seconds_total", labels, float(t.user + t.system), label)
+        em.counter("kvscope_process_cpu_seconds_total", labels, cpu, label)
+
+    def _read(self, path: str) -> str:
+        """A procfs file through a descriptor kept open (procfs regenerates it on a read
+        from offset 0); reopened once if that read fails."""
+        fd = self._fds.get(path)
+        if fd is not None:
+            try:
+                return _pread_all(fd)
+            except OSError:
+                os.close(fd)
+                del self._fds[path]
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            text = _pread_all(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fds[path] = fd
+        return text
+
+    def close(self) -> None:
+        for _, fd in self._procs.values():
+            os.close(fd)
+        self._procs.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def _pread_all(fd: int) -> str:
+    chunks = []
+    off = 0
+    while chunk := os.pread(fd, 65536, off):
+        chunks.append(chunk)
+        off += len(chunk)
+    return b"".join(chunks).decode()

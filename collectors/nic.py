@@ -1,9 +1,22 @@
 """Network interface counters (the node_exporter `netdev` analogue).
 
-Per interface: bytes, packets, errors and drops in both directions from
-`<sys_root>/class/net/<if>/statistics/*`, falling back to `<proc_root>/net/dev` when sysfs is
-absent or an interface has no statistics directory; link speed from `<sys_root>/class/net/<if>/
-speed` (Mb/s) when it reads as a positive number (virtual devices give -1 or EINVAL).
+Per interface (the entries of `<sys_root>/class/net`): bytes, packets, errors and drops in both
+directions, and link speed from `<sys_root>/class/net/<if>/speed` (Mb/s) when it reads as a
+positive number (virtual devices give -1 or EINVAL).
+
+The counters are the kernel's `dev_get_stats()`, which both `/proc/net/dev` and sysfs
+`statistics/*` print: one read of `<proc_root>/net/dev` gives every interface's bytes, packets,
+errors and transmit drops at once, where sysfs costs a file per counter. Its receive `drop`
+column, though, adds `rx_missed_errors` to `rx_dropped`, and the catalogue's receive drop
+counter is sysfs `rx_dropped` ("received packets dropped"), so that one (and `speed`) comes
+from sysfs: both files of up to `MAX_OPEN_INTERFACES` interfaces stay open and each run
+`pread`s them from offset 0 (sysfs regenerates an attribute on every read from the start),
+with the interface's directory checked by inode so that an interface renamed, or removed and
+created again under the same name, is reopened rather than read through stale descriptors.
+An interface missing from `/proc/net/dev` (or no `/proc/net/dev`), or every interface when the
+two list different interfaces (another network namespace's sysfs), is read from its sysfs
+`statistics/*` files; one without a statistics directory, or no sysfs at all, from
+`/proc/net/dev` alone (its receive drops then include missed packets).
 """
 
 from __future__ import annotations
@@ -36,7 +49,31 @@ NIC_COUNTERS: tuple[tuple[str, int, str], ...] = (
     ("tx_dropped", 11, "kvscope_nic_transmit_drop_total"),
 )
 _SYSFS_FILES = tuple(f for f, _, _ in NIC_COUNTERS)
+_RX_DROPPED = _SYSFS_FILES.index("rx_dropped")  # the one counter read from sysfs
 _MBIT_TO_BYTES = 125_000  # 1 Mb/s = 10**6 bits/s = 125,000 bytes/s
+#: Interfaces whose rx_dropped and speed files stay open (2 descriptors each); more are read by
+#: path each run.
+MAX_OPEN_INTERFACES = 256
+
+
+class _OpenNic:
+    """The open `statistics/rx_dropped` and `speed` (or -1) files of one interface."""
+
+    __slots__ = ("drop", "ino", "speed")
+
+    def __init__(self, ino: int, drop: int, speed: int) -> None:
+        self.ino = ino
+        self.drop = drop
+        self.speed = speed
+
+    def read(self) -> tuple[int, int | None]:
+        return int(os.pread(self.drop, 64, 0)), _pread_speed(self.speed)
+
+    def close(self) -> None:
+        for fd in (self.drop, self.speed):
+            if fd >= 0:
+                os.close(fd)
+        self.drop = self.speed = -1
 
 
 def parse_proc_net_dev(text: str) -> dict[str, list[int]]:
@@ -77,26 +114,47 @@ class NicCollector(BaseCollector):
         self.clock = clock
         self.counters = CounterTracker()
         self._seen: set[str] = set()
+        self._open: dict[str, _OpenNic] = {}
 
     def collect(self) -> Collection:
-        em = Emitter(self.source, self.clock(), self.counters)
-        proc: dict[str, list[int]] | None = None
+        em = Emitter(self.source, self.clock(), self.counters, self.keep_samples)
+        listing: list[str] = []
         try:
-            names = self.filter.filter(os.listdir(self.net_dir))
+            listing = os.listdir(self.net_dir)
+            names = self.filter.filter(listing)
             sysfs = True
         except FileNotFoundError:
-            proc = parse_proc_net_dev(read_text(self.proc_net_dev))
-            names = self.filter.filter(proc)
             sysfs = False
+        try:
+            proc = parse_proc_net_dev(read_text(self.proc_net_dev))
+        except OSError:
+            if not sysfs:
+                raise
+            proc = {}  # statistics files only
+        if not sysfs:
+            names = self.filter.filter(proc)
+        # /proc/net/dev is this process's network namespace, sysfs the one it was mounted in
+        # (a container with the host's /sys): the two list other interfaces then, and a
+        # same-named one may be another device. Counters come from /proc/net/dev only while
+        # both list the same interfaces; else from each interface's own statistics files.
+        fast = not sysfs or set(proc) == set(listing)
         present: set[str] = set()
         for dev in names:
-            values = self._read_sysfs(dev) if sysfs else None
+            row = proc.get(dev)
+            values: list[int] | None = None
+            speed: int | None = None
+            if sysfs:
+                extra = self._read_open(dev) if row is not None and fast else None
+                if row is not None and extra is not None:
+                    values = [row[col] for _, col, _ in NIC_COUNTERS]
+                    values[_RX_DROPPED] = extra[0]
+                    speed = extra[1]
+                else:
+                    values = self._read_sysfs_paths(dev)
+                    if values is None and not os.path.isdir(os.path.join(self.net_dir, dev)):
+                        continue  # vanished between listdir and read
+                    speed = self._speed(dev)
             if values is None:
-                if sysfs and not os.path.isdir(os.path.join(self.net_dir, dev)):
-                    continue  # vanished between listdir and read
-                if proc is None:
-                    proc = parse_proc_net_dev(read_text(self.proc_net_dev))
-                row = proc.get(dev)
                 if row is None:
                     continue
                 values = [row[col] for _, col, _ in NIC_COUNTERS]
@@ -104,17 +162,52 @@ class NicCollector(BaseCollector):
             labels = (dev,)
             for (_, _, metric), raw in zip(NIC_COUNTERS, values, strict=True):
                 em.counter(metric, labels, raw, dev)
-            if sysfs:
-                speed = self._speed(dev)
-                if speed is not None:
-                    em.gauge("kvscope_nic_speed_bytes", labels, speed * _MBIT_TO_BYTES, dev)
+            if speed is not None:
+                em.gauge("kvscope_nic_speed_bytes", labels, speed * _MBIT_TO_BYTES, dev)
         for dev in sorted(self._seen - present):
             em.event("interface_vanished", {"device": dev})
+        for dev in [d for d in self._open if d not in present]:
+            self._open.pop(dev).close()
         self._seen = present
         self.counters.end_cycle()
         return em.out
 
-    def _read_sysfs(self, dev: str) -> list[int] | None:
+    def close(self) -> None:
+        for nic in self._open.values():
+            nic.close()
+        self._open.clear()
+
+    def _read_open(self, dev: str) -> tuple[int, int | None] | None:
+        """(sysfs rx_dropped, speed in Mb/s or None) of `dev` through its kept-open files;
+        None when it has no statistics directory."""
+        path = os.path.join(self.net_dir, dev)
+        nic = self._open.get(dev)
+        if nic is not None:
+            try:
+                if os.stat(path).st_ino == nic.ino:
+                    return nic.read()
+            except OSError:
+                pass  # removed (ENODEV through the old descriptors) or gone from the listing
+            del self._open[dev]
+            nic.close()
+        if len(self._open) >= MAX_OPEN_INTERFACES:
+            try:
+                return read_int(os.path.join(path, "statistics", "rx_dropped")), self._speed(dev)
+            except (FileNotFoundError, NotADirectoryError):
+                return None
+        try:
+            ino = os.stat(path).st_ino
+            drop = os.open(os.path.join(path, "statistics", "rx_dropped"), os.O_RDONLY)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        try:
+            speed = os.open(os.path.join(path, "speed"), os.O_RDONLY)
+        except OSError:
+            speed = -1
+        nic = self._open[dev] = _OpenNic(ino, drop, speed)
+        return nic.read()
+
+    def _read_sysfs_paths(self, dev: str) -> list[int] | None:
         # Opening the files relative to the statistics directory resolves the class symlink
         # once per interface instead of once per counter (a third of the cost).
         try:
@@ -142,3 +235,13 @@ class NicCollector(BaseCollector):
         except (OSError, ValueError):
             return None  # EINVAL on virtual or down devices
         return mbit if mbit > 0 else None
+
+
+def _pread_speed(fd: int) -> int | None:
+    if fd < 0:
+        return None
+    try:
+        mbit = int(os.pread(fd, 64, 0))
+    except (OSError, ValueError):
+        return None  # EINVAL on virtual or down devices
+    return mbit if mbit > 0 else None

@@ -180,7 +180,7 @@ class NvmlCollector(BaseCollector):
 
     # ------------------------------------------------------------------ collection
     def collect(self) -> Collection:
-        em = Emitter(self.source, self.clock(), self.counters)
+        em = Emitter(self.source, self.clock(), self.counters, self.keep_samples)
         for name, detail in self._pending:
             em.event(name, detail)
         self._pending = []

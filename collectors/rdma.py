@@ -51,7 +51,7 @@ class RdmaCollector(BaseCollector):
             self.unavailable_reason = f"no RDMA devices ({self.ib_dir} does not exist)"
 
     def collect(self) -> Collection:
-        em = Emitter(self.source, self.clock(), self.counters)
+        em = Emitter(self.source, self.clock(), self.counters, self.keep_samples)
         present: set[str] = set()
         try:
             devices = self.filter.filter(os.listdir(self.ib_dir))

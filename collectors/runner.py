@@ -16,14 +16,27 @@ In-process use, e.g. beside the engine in `kvscope run` so one run store holds b
 `on_samples(collector_name, collection)` runs on the collector's thread and returns how many
 samples it dropped (or None); `readings()` is the latest snapshot for Prometheus/OTLP exporters
 (`collectors.exposition.CollectorExposition(runner)` registers it with prometheus-client).
+
+Collection timed to the scrape (`on_demand=True`, what the node agent uses when nothing but
+/metrics consumes its output): a collector runs when `refresh()` asks for a snapshot younger
+than it has, plus once every `idle_interval_s` on its thread so that counters are followed
+(wraps, resets, vanished entities) and NVML's XID queue is drained while nobody scrapes. The
+run store needs its samples (rates from deltas) at the configured interval, so an agent with
+`--out` (or OTLP, which reads the snapshot on its own period) keeps the fixed cadence. A
+collector whose last run was quick (`inline_max_s`) runs on the scrape's thread, sparing two
+thread hand-offs; a slow one (a busy NVML driver) runs on its own thread and the scrape waits
+at most `refresh()`'s `timeout_s`, then formats whatever snapshot there is. One collector
+never runs twice at once. Gauges computed between two runs (host CPU utilization, NVLink
+throughput) then cover the time since the previous run, at least `max_age_s`.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from agent.clock import ClockAnchor, now_ns, process_anchor
@@ -46,6 +59,18 @@ class CollectorHealth:
     last_success_ns: int | None = None  # monotonic
 
 
+@dataclass(slots=True)
+class _Demand:
+    """One collector's on-demand state: runs asked for, started and finished (counts)."""
+
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    requested: int = 0
+    started: int = 0
+    completed: int = 0
+    last_start_ns: int = -(1 << 62)
+    last_start_mono: float = 0.0  # time.monotonic() of the same start (the idle floor's clock)
+
+
 class CollectorRunner:
     """Schedules collectors and keeps their latest output.
 
@@ -57,6 +82,11 @@ class CollectorRunner:
         intervals: per-collector overrides, name → seconds.
         clock: monotonic ns clock.
         anchor: converts monotonic to epoch time for the last-success timestamp.
+        on_demand: run collectors when `refresh()` asks (and every `idle_interval_s`) instead
+            of every interval.
+        idle_interval_s: with `on_demand`, the longest time between two runs of a collector.
+        inline_max_s: with `on_demand`, a collector whose last run took at most this long
+            runs on the thread that calls `refresh()`; a slower one on its own thread.
     """
 
     def __init__(
@@ -68,9 +98,14 @@ class CollectorRunner:
         intervals: dict[str, float] | None = None,
         clock: Callable[[], int] = now_ns,
         anchor: ClockAnchor | None = None,
+        on_demand: bool = False,
+        idle_interval_s: float = 60.0,
+        inline_max_s: float = 0.05,
     ) -> None:
         if not interval_s > 0:
             raise ValueError(f"interval_s: must be > 0 seconds, got {interval_s}")
+        if not idle_interval_s > 0:
+            raise ValueError(f"idle_interval_s: must be > 0 seconds, got {idle_interval_s}")
         all_c = list(collectors)
         names = [c.name for c in all_c]
         if len(set(names)) != len(names):
@@ -84,6 +119,9 @@ class CollectorRunner:
                 raise ValueError(f"intervals[{name!r}]: must be > 0 seconds, got {s}")
             self.intervals[name] = s
         self.collectors = [c for c in all_c if c.available]
+        if on_samples is None:  # nothing takes samples: collectors build readings only
+            for c in self.collectors:
+                c.keep_samples = False
         self.unavailable = [c for c in all_c if not c.available]
         self.on_samples = on_samples
         self.clock = clock
@@ -96,6 +134,10 @@ class CollectorRunner:
         self._announced = False
         self._sink_failed_logged = False
         self._fail_logged: set[str] = set()
+        self.on_demand = on_demand
+        self.idle_interval_s = idle_interval_s
+        self.inline_max_s = inline_max_s
+        self._demand: dict[str, _Demand] = {c.name: _Demand() for c in self.collectors}
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -104,8 +146,9 @@ class CollectorRunner:
             raise RuntimeError("CollectorRunner already started")
         self.announce_unavailable()
         self._stop.clear()
+        loop = self._demand_loop if self.on_demand else self._loop
         for c in self.collectors:
-            t = threading.Thread(target=self._loop, args=(c,), name=f"kvscope-collector-{c.name}",
+            t = threading.Thread(target=loop, args=(c,), name=f"kvscope-collector-{c.name}",
                                  daemon=True)
             self._threads.append(t)
             t.start()
@@ -113,6 +156,9 @@ class CollectorRunner:
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the threads (a run in progress finishes first) and close the collectors."""
         self._stop.set()
+        for d in self._demand.values():
+            with d.cond:
+                d.cond.notify_all()
         for t in self._threads:
             t.join(timeout_s)
             if t.is_alive():
@@ -155,11 +201,81 @@ class CollectorRunner:
                 deadline += skipped * interval_ns
             self._stop.wait((deadline - now) / 1e9)
 
+    def _demand_loop(self, c: BaseCollector) -> None:
+        d = self._demand[c.name]
+        idle_s = self.idle_interval_s
+        first = True  # the first run is immediate, as on the fixed cadence
+        while not self._stop.is_set():
+            with d.cond:
+                while not self._stop.is_set():
+                    busy = d.started > d.completed  # a scrape is running it inline
+                    # The floor counts from the last run by anyone: scrapes every 15 s
+                    # leave it nothing to do.
+                    left = d.last_start_mono + idle_s - time.monotonic()
+                    if not busy and (first or d.requested > d.started or left <= 0):
+                        break
+                    d.cond.wait(None if busy else left)
+                if self._stop.is_set():
+                    return
+                first = False
+                d.started += 1
+            self._run_counted(c, d)
+
+    def _run_counted(self, c: BaseCollector, d: _Demand) -> None:
+        try:
+            self.run_once(c)
+        finally:
+            with d.cond:
+                d.completed += 1
+                d.cond.notify_all()
+
+    def refresh(self, max_age_s: float, timeout_s: float = 1.0) -> None:
+        """With `on_demand`: have every collector whose last run started more than
+        `max_age_s` ago run now, and return once they have (a run in progress counts), or
+        after `timeout_s`. A collector whose last run took at most `inline_max_s` runs on the
+        calling thread (no thread hand-off); a slower one on its own thread, waited for at
+        most `timeout_s` in all. Without `on_demand`, or before `start()`, it does nothing."""
+        if not self.on_demand or not self._threads or self._stop.is_set():
+            return
+        now = self.clock()
+        max_age_ns = int(max_age_s * 1e9)
+        inline: list[BaseCollector] = []
+        waiting: list[tuple[_Demand, int]] = []
+        for c in self.collectors:
+            d = self._demand[c.name]
+            with d.cond:
+                if d.started > d.completed:  # in progress: its reading is at most that old
+                    waiting.append((d, d.started))
+                elif now - d.last_start_ns > max_age_ns:
+                    last = self.health[c.name].last_duration_s
+                    if last is not None and last <= self.inline_max_s:
+                        d.started += 1  # ours: its thread waits until we are done
+                        inline.append(c)
+                    else:
+                        want = d.started + 1
+                        d.requested = max(d.requested, want)
+                        d.cond.notify_all()
+                        waiting.append((d, want))
+        for c in inline:
+            self._run_counted(c, self._demand[c.name])
+        end = time.monotonic() + timeout_s
+        for d, want in waiting:
+            with d.cond:
+                while d.completed < want and not self._stop.is_set():
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        return
+                    d.cond.wait(left)
+
     # ------------------------------------------------------------------ one run
     def run_once(self, c: BaseCollector) -> Collection | None:
         """Run `c` once on the calling thread: time it, keep its output, hand it to the sink."""
         h = self.health[c.name]
         t0 = self.clock()
+        d = self._demand.get(c.name)
+        if d is not None:
+            d.last_start_ns = t0
+            d.last_start_mono = time.monotonic()
         try:
             col = c.collect()
         except Exception as exc:

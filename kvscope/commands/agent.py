@@ -1,13 +1,20 @@
 """`kvscope agent`: the per-node daemon (collectors, /metrics, run store, OTLP).
 
 Imports only typer and the stdlib at import time; the daemon is imported inside the command,
-and it never imports torch or pandas.
+and it never imports torch or pandas. Run as the process's own command (`kvscope agent`,
+`python -m kvscope[.cli] agent`), the command checks its options and then execs the daemon
+(`python -m kvscope.node`: same PID and stdio, without the CLI's modules in memory);
+called in-process (tests, embedding code, or with KVSCOPE_AGENT_IN_PROCESS=1) it runs the
+daemon in the calling process.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -21,6 +28,11 @@ from kvscope.run_options import (
     option,
 )
 
+if TYPE_CHECKING:
+    from kvscope.node.config import AgentConfig
+
+#: Set to 1 to keep the daemon in the `kvscope agent` process instead of exec'ing it.
+IN_PROCESS_ENV = "KVSCOPE_AGENT_IN_PROCESS"
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -69,7 +81,10 @@ def agent(
                                        help="Address to bind: an IP address or localhost; "
                                             "open it deliberately (e.g. 0.0.0.0) for a fleet "
                                             "Prometheus."),
-    interval: float = typer.Option(1.0, "--interval", "-i", help="Seconds between collections."),
+    interval: float = typer.Option(
+        1.0, "--interval", "-i",
+        help="Seconds between collections with --out or an OTLP endpoint; for /metrics alone "
+             "collectors run on scrape, at most once per INTERVAL/2."),
     out: Path | None = typer.Option(None, "--out", "-o",
                                     help="Run-store directory for samples and events."),
     max_disk_bytes: str = option("agent", "max_disk_bytes", "1GiB", check=_check_size),
@@ -115,13 +130,53 @@ def agent(
         from kvscope.node.daemon import PRODUCER
 
         check_resumable(out, {"producer": PRODUCER})
-    from kvscope.node.daemon import NodeAgent
+    if _owns_the_process():
+        exec_daemon(config)
+    from kvscope.node.daemon import run_agent
 
-    node = NodeAgent(config)
-    node.install_signal_handlers()
-    try:
-        node.start()
-    except BaseException:
-        node.shutdown()
-        raise
-    node.serve_forever()
+    run_agent(config)
+
+
+def _owns_the_process() -> bool:
+    """Whether this command is the process's own (the console script or `python -m kvscope` /
+    `-m kvscope.cli`, one thread): only then may it replace the process image."""
+    if os.environ.get(IN_PROCESS_ENV) == "1" or os.name != "posix":
+        return False
+    import threading
+
+    if threading.active_count() != 1:
+        return False
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None:
+        return spec.name in ("kvscope.__main__", "kvscope.cli")
+    return Path(sys.argv[0]).name == "kvscope"
+
+
+def exec_daemon(config: AgentConfig) -> None:
+    """Replace this process with `python -m kvscope.node` running `config` (never returns).
+
+    The PID stays (so does `--watch-pid` of the agent itself, and a supervisor's view), and so
+    do stdin/stdout/stderr; the configuration travels in the environment, checked again there.
+    The interpreter's flags carry over; `-P` and PYTHONPATH make the packages resolve where
+    this process found them, never from the working directory.
+    """
+    import subprocess
+
+    from kvscope.node.config import CONFIG_ENV
+
+    root = str(Path(__file__).resolve().parents[2])  # holds kvscope/, agent/, collectors/
+    env = dict(os.environ)
+    env[CONFIG_ENV] = config.to_json()
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    # The daemon's own process: Arrow allocations (a run-store part every flush) from the
+    # system allocator, which hands them back, instead of mimalloc's retained segments (~4 MiB
+    # after the first part); numpy (loaded by pyarrow) without a BLAS thread per core, as the
+    # agent does no linear algebra. Either can still be set by the caller.
+    env.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
+    env.setdefault("OPENBLAS_NUM_THREADS", "1")
+    flags = [f for f in subprocess._args_from_interpreter_flags() if f != "-P"]
+    argv = [sys.executable, *flags, "-P", "-m", "kvscope.node", *sys.argv[1:]]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, argv, env)

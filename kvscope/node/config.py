@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 from agent.errors import InputError
 
 #: Not 9100 (node_exporter) nor 9400 (dcgm-exporter); not in /etc/services.
 DEFAULT_PORT = 9477
+#: The environment variable `kvscope agent` hands its checked configuration to the daemon in.
+CONFIG_ENV = "KVSCOPE_AGENT_CONFIG"
 #: The agent watches itself under this process label.
 SELF_PROCESS = "kvscope_agent"
 COLLECTOR_NAMES: tuple[str, ...] = ("nvml", "nic", "rdma", "host")
@@ -89,6 +93,19 @@ class AgentConfig:
                 raise InputError(f"--watch-pid: pid must be positive, got {pid}")
         if len(set(labels)) != len(labels):
             raise InputError(f"--watch-pid: duplicate process names in {labels}")
+
+    def to_json(self) -> str:
+        """The configuration as JSON text (`from_json` gives it back, validated again)."""
+        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)})
+
+    @classmethod
+    def from_json(cls, text: str) -> AgentConfig:
+        """The configuration `to_json` wrote."""
+        raw: dict[str, Any] = json.loads(text)
+        for name in ("include", "exclude", "disable"):
+            raw[name] = tuple(raw.get(name) or ())
+        raw["watch"] = tuple((str(label), int(pid)) for label, pid in raw.get("watch") or ())
+        return cls(**raw)
 
 
 def check_roots(config: AgentConfig) -> None:

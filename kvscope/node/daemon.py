@@ -4,6 +4,19 @@ Threads: one per collector (`CollectorRunner`), the HTTP server's (plus one per 
 connection), the OTLP exporter's (when an endpoint is given). The main thread only flushes the
 run store every `flush_interval_s` and waits for SIGTERM/SIGINT, after which it stops the
 collectors, writes the last part, marks run.json complete and returns (exit status 0).
+
+Cadence: with `--out` (the run store's samples are rates at the configured interval) or an
+OTLP endpoint, every collector runs every `interval_s`. With /metrics alone, collection is
+timed to the scrape: a scrape that finds a collector's snapshot older than half an interval
+runs it first (on the scrape's thread when its last run was quick, else on its own thread,
+waited for at most `REFRESH_TIMEOUT_S`), and each collector also runs every
+`IDLE_INTERVAL_S` so that counters are followed while nobody scrapes. Between scrapes no
+thread wakes: an idle agent costs no CPU.
+
+`kvscope agent` parses and checks its options with the CLI (typer, pydantic, rich and every
+command's module: ~15 MiB of RSS the daemon never uses again), then replaces its process image
+with `python -m kvscope.node` (`main` below; same PID, same stdio) which runs the daemon from
+the configuration alone.
 """
 
 from __future__ import annotations
@@ -13,6 +26,7 @@ import logging
 import os
 import platform
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -28,7 +42,7 @@ from agent.schema import METRICS_BY_NAME, SCHEMA_VERSION
 from collectors.base import BaseCollector, Collection
 from collectors.exposition import CONTENT_TYPE, CollectorExposition, TextRenderer
 from collectors.runner import CollectorRunner, default_collectors
-from kvscope.node.config import SELF_PROCESS, AgentConfig, check_roots
+from kvscope.node.config import CONFIG_ENV, SELF_PROCESS, AgentConfig, check_roots
 
 if TYPE_CHECKING:
     from agent.runstore.writer import RunStoreWriter
@@ -37,6 +51,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 #: run.json `config.producer` of an agent's run store (a restart resumes only its own).
 PRODUCER = "kvscope agent"
+#: What `main` reports as a user error: `kvscope: error: ...` and exit status 2, as the CLI.
+#: With collection timed to the scrape: the longest a collector goes without a run (counter
+#: wraps and vanished entities followed, XID queue drained, while nobody scrapes) ...
+IDLE_INTERVAL_S = 60.0
+#: ... and the longest a scrape waits for fresh readings before serving the last ones.
+REFRESH_TIMEOUT_S = 1.0
+USER_ERRORS = (
+    InputError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError,
+)
 
 
 class BuildInfoCollector:
@@ -78,7 +101,14 @@ class NodeAgent:
         self.collectors = collectors
         self.writer: RunStoreWriter | None = None
         self.sink: StoreSink | None = None
-        self.runner = CollectorRunner(collectors, config.interval_s, on_samples=self._on_samples)
+        # Collection timed to the scrape when /metrics is the only consumer: the run store
+        # needs its samples (rates) at the configured interval and OTLP reads the snapshot
+        # on its own period, so either keeps the fixed cadence.
+        self.on_demand = config.out is None and not config.otlp_endpoint
+        self.runner = CollectorRunner(collectors, config.interval_s,
+                                      on_samples=self._on_samples if config.out else None,
+                                      on_demand=self.on_demand,
+                                      idle_interval_s=max(IDLE_INTERVAL_S, config.interval_s))
         # The registry is the reference exposition (and what embedding code registers);
         # /metrics serves the renderer's identical bytes at a fraction of the CPU.
         # kvscope_build_info comes first, as the engine's does: the Grafana `instance`
@@ -122,12 +152,17 @@ class NodeAgent:
         if c.out is None or self.writer is not None:
             return
         # Only an agent with --out pays for numpy and pyarrow (the run store's writer).
+        import pyarrow as pa
+
         from agent.runstore.writer import RunStoreWriter
         from kvscope.node.store import StoreSink
 
         # A restarted agent carries on its own run (part numbers continue, run.json lists the
-        # restart), so a crash costs at most one flush interval of samples.
-        self.writer = RunStoreWriter(c.out, config=self._run_config(), resume=True)
+        # restart), so a crash costs at most one flush interval of samples. Parts of a few
+        # thousand samples every flush: the system allocator hands their encoding buffers
+        # back, where pyarrow's default pool would keep its segments.
+        self.writer = RunStoreWriter(c.out, config=self._run_config(), resume=True,
+                                     memory_pool=pa.system_memory_pool())
         self.sink = StoreSink(self.writer, max_pending_samples=c.max_pending_samples,
                               max_disk_bytes=c.max_disk_bytes, on_dropped=self.runner.count_dropped)
 
@@ -166,12 +201,16 @@ class NodeAgent:
             self.meter_provider = start_otlp(self.runner, c.otlp_endpoint, c.otlp_interval_s)
         host, port = self.address or (c.listen_address, c.port)
         names = ", ".join(x.name for x in self.runner.collectors) or "none"
-        log.info("kvscope agent: serving http://%s:%d/metrics; collectors: %s; every %g s%s",
-                 host, port, names, c.interval_s,
-                 f"; run store {c.out}" if c.out else "")
+        cadence = (f"on scrape, at most every {c.interval_s:g} s" if self.on_demand
+                   else f"every {c.interval_s:g} s")
+        log.info("kvscope agent: serving http://%s:%d/metrics; collectors: %s; %s%s",
+                 host, port, names, cadence, f"; run store {c.out}" if c.out else "")
 
     def render(self) -> bytes:
-        """The /metrics body now."""
+        """The /metrics body now: when collection is timed to the scrape, collectors whose
+        snapshot is older than half an interval run first (see the module docstring)."""
+        if self.on_demand:
+            self.runner.refresh(self.config.interval_s / 2, REFRESH_TIMEOUT_S)
         return self._build_info + self.renderer.render(self.runner.readings())
 
     def request_stop(self, *_: Any) -> None:
@@ -186,8 +225,11 @@ class NodeAgent:
 
     def serve_forever(self) -> None:
         """Flush periodically until a signal or `request_stop`, then shut down."""
+        # Without a run store there is nothing to flush: the main thread sleeps until a
+        # signal (a waiting lock is interrupted by one) instead of waking every interval.
+        period = self.config.flush_interval_s if self.sink is not None else 3600.0
         try:
-            while not self._stop.wait(self.config.flush_interval_s):
+            while not self._stop.wait(period):
                 self.flush()
         finally:
             self.shutdown()
@@ -216,3 +258,48 @@ class NodeAgent:
             self.httpd.stop()
         if self._started:
             log.info("kvscope agent: stopped cleanly in %.2f s", time.monotonic() - t0)
+
+
+def run_agent(config: AgentConfig) -> None:
+    """Run the agent of `config` until SIGTERM/SIGINT, then shut it down cleanly."""
+    node = NodeAgent(config)
+    node.install_signal_handlers()
+    try:
+        node.start()
+    except BaseException:
+        node.shutdown()
+        raise
+    node.serve_forever()
+
+
+def _user_message(exc: BaseException) -> str:
+    """One line for a user error, as `kvscope.cli.user_message` writes it (that module loads
+    the whole CLI, which is what this process exists to leave out)."""
+    msg = str(exc) or exc.__class__.__name__
+    if isinstance(exc, OSError):
+        msg = exc.strerror or msg
+        if exc.filename and str(exc.filename) not in msg:
+            msg = f"{exc.filename}: {msg}"
+    return " ".join(msg.split())
+
+
+def main() -> int:
+    """`python -m kvscope.node`: the daemon `kvscope agent` execs into, configured by the JSON
+    in $KVSCOPE_AGENT_CONFIG. Returns the exit status (the CLI's contract: 2 and one line for
+    a user error, 130 on Ctrl-C)."""
+    text = os.environ.pop(CONFIG_ENV, None)
+    if text is None:
+        print(f"kvscope: error: {CONFIG_ENV} is not set: start the agent with `kvscope agent`",
+              file=sys.stderr)
+        return 2
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    try:
+        run_agent(AgentConfig.from_json(text))
+    except USER_ERRORS as exc:
+        print(f"kvscope: error: {_user_message(exc)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kvscope: interrupted", file=sys.stderr)
+        return 130
+    return 0

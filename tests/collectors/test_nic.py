@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
-from collectors.nic import NicCollector, parse_proc_net_dev
+from collectors.nic import NIC_COUNTERS, NicCollector, parse_proc_net_dev
 from tests.collectors.trees import FakeRoot, StepClock
 
 
@@ -148,3 +151,111 @@ def test_real_proc_net_dev_parses_and_agrees_with_sysfs_names():
         parsed = parse_proc_net_dev(fh.read())
     assert "lo" in parsed
     assert all(len(v) == 16 for v in parsed.values())
+
+
+def _both(root, nics: dict[str, dict[str, int]], missed: int = 0,
+          speed: str | None = None) -> None:
+    """Each interface in sysfs and in /proc/net/dev as the kernel prints it: the `drop` column
+    is rx_dropped + rx_missed_errors."""
+    rows = {}
+    for dev, c in nics.items():
+        root.set_nic(dev, speed=speed, **c)
+        g = c.get
+        rows[dev] = [g("rx_bytes", 0), g("rx_packets", 0), g("rx_errors", 0),
+                     g("rx_dropped", 0) + missed, 0, 0, 0, 0,
+                     g("tx_bytes", 0), g("tx_packets", 0), g("tx_errors", 0),
+                     g("tx_dropped", 0), 0, 0, 0, 0]
+    root.write_proc_net_dev(rows)
+
+
+def test_counters_from_proc_net_dev_and_receive_drops_from_sysfs(root):
+    """One /proc/net/dev read for the counters; receive drops stay sysfs rx_dropped (the
+    catalogue's meaning), not /proc/net/dev's rx_dropped + rx_missed_errors."""
+    _both(root, {"eth0": {"rx_bytes": 5000, "rx_packets": 50, "rx_errors": 1, "rx_dropped": 2,
+                          "tx_bytes": 700, "tx_packets": 7, "tx_errors": 4, "tx_dropped": 5}},
+          missed=40, speed="100")
+    # The statistics files disagree with /proc/net/dev on purpose: the counters must come
+    # from the one read of /proc/net/dev (bytes), the receive drops from sysfs.
+    (root.sys / "class" / "net" / "eth0" / "statistics" / "rx_bytes").write_text("1\n")
+    c = NicCollector(sys_root=str(root.sys), proc_root=str(root.proc))
+    r = _readings(c.collect())
+    assert r[("kvscope_nic_receive_bytes_total", ("eth0",))] == 5000
+    assert r[("kvscope_nic_receive_packets_total", ("eth0",))] == 50
+    assert r[("kvscope_nic_receive_errors_total", ("eth0",))] == 1
+    assert r[("kvscope_nic_receive_drop_total", ("eth0",))] == 2
+    assert r[("kvscope_nic_transmit_bytes_total", ("eth0",))] == 700
+    assert r[("kvscope_nic_transmit_packets_total", ("eth0",))] == 7
+    assert r[("kvscope_nic_transmit_errors_total", ("eth0",))] == 4
+    assert r[("kvscope_nic_transmit_drop_total", ("eth0",))] == 5
+    assert r[("kvscope_nic_speed_bytes", ("eth0",))] == 100 * 125_000
+    c.close()
+
+
+def test_kept_open_files_follow_an_interface_replaced_under_the_same_name(root):
+    """rx_dropped and speed stay open between runs; an interface removed and created again
+    (or another one renamed into its name) between two runs is read afresh, not through the
+    old descriptors."""
+    clock = StepClock()
+    _both(root, {"veth0": {"rx_dropped": 100}}, speed="1000")
+    c = NicCollector(sys_root=str(root.sys), proc_root=str(root.proc), clock=clock)
+    c.collect()
+    _both(root, {"veth0": {"rx_dropped": 250}}, speed="1000")  # rewritten in place
+    clock.advance(1.0)
+    assert _readings(c.collect())[("kvscope_nic_receive_drop_total", ("veth0",))] == 250
+    root.remove_nic("veth0")
+    _both(root, {"veth0": {"rx_dropped": 7}}, speed="2000")  # a new directory, no run between
+    clock.advance(1.0)
+    r = _readings(c.collect())
+    assert r[("kvscope_nic_receive_drop_total", ("veth0",))] == 257  # reset rule: 250 + 7
+    assert r[("kvscope_nic_speed_bytes", ("veth0",))] == 2000 * 125_000
+    assert list(c._open) == ["veth0"]
+    c.close()
+    assert c._open == {}
+
+
+def test_interfaces_beyond_the_open_file_cap_are_read_by_path(root, monkeypatch):
+    import collectors.nic as nic
+
+    monkeypatch.setattr(nic, "MAX_OPEN_INTERFACES", 1)
+    _both(root, {"eth0": {"rx_dropped": 1}, "eth1": {"rx_dropped": 2}}, speed="200")
+    c = NicCollector(sys_root=str(root.sys), proc_root=str(root.proc))
+    for _ in range(2):
+        r = _readings(c.collect())
+        assert r[("kvscope_nic_receive_drop_total", ("eth0",))] == 1
+        assert r[("kvscope_nic_receive_drop_total", ("eth1",))] == 2
+        assert r[("kvscope_nic_speed_bytes", ("eth1",))] == 200 * 125_000
+    assert list(c._open) == ["eth0"]
+    root.remove_nic("eth0")
+    c.collect()
+    assert c._open == {}  # a vanished interface's files are closed
+    c.close()
+
+
+def test_the_real_host_agrees_with_sysfs():
+    """On this host: the counters of /proc/net/dev and sysfs rx_dropped match the statistics
+    files of every interface (loopback's bytes move, so within what a scrape adds)."""
+    c = NicCollector()
+    r = _readings(c.collect())
+    base = Path("/sys/class/net")
+    for dev in os.listdir(base):
+        for f, _, metric in NIC_COUNTERS:
+            want = int((base / dev / "statistics" / f).read_text())
+            got = r[(metric, (dev,))]
+            assert want - 1_000_000 <= got <= want, (dev, f)
+    c.close()
+
+
+def test_another_namespaces_sysfs_is_read_from_its_own_statistics(root):
+    """A container with the host's /sys: /proc/net/dev lists the container's interfaces,
+    sysfs the host's. A same-named interface there is another device, so every counter comes
+    from sysfs statistics files, none from /proc/net/dev."""
+    _both(root, {"eth0": {"rx_bytes": 5000, "tx_bytes": 700}, "docker0": {"rx_bytes": 9}})
+    # The container's /proc/net/dev: its own eth0 (other counters) and lo; no docker0.
+    root.write_proc_net_dev({"eth0": [123] + [0] * 7 + [45] + [0] * 7, "lo": [1] * 16})
+    c = NicCollector(sys_root=str(root.sys), proc_root=str(root.proc))
+    r = _readings(c.collect())
+    assert r[("kvscope_nic_receive_bytes_total", ("eth0",))] == 5000
+    assert r[("kvscope_nic_transmit_bytes_total", ("eth0",))] == 700
+    assert r[("kvscope_nic_receive_bytes_total", ("docker0",))] == 9
+    assert ("kvscope_nic_receive_bytes_total", ("lo",)) not in r
+    c.close()

@@ -32,7 +32,7 @@ class Counting(BaseCollector):
             self.gate.wait(30)
         if self.fail:
             raise OSError("sysfs went away")
-        em = Emitter(self.source, time.monotonic_ns(), self.counters)
+        em = Emitter(self.source, time.monotonic_ns(), self.counters, self.keep_samples)
         em.gauge("kvscope_host_memory_used_bytes", (), self.runs, "host")
         return em.out
 
@@ -157,3 +157,91 @@ def test_recorder_sink_puts_hardware_samples_in_the_engine_run_store(tmp_path):
     # Epoch ns through the recorder's anchor, like every other run-store time.
     assert abs(nic[0]["ts_ns"] - time.time_ns()) < 60 * 10**9
     assert "gpu_info" in out["events"].column("name").to_pylist()
+
+
+class Where(Counting):
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.threads: list[str] = []
+
+    def collect(self) -> Collection:
+        self.threads.append(threading.current_thread().name)
+        return super().collect()
+
+
+@pytest.mark.parametrize("inline_max_s", [1.0, 0.0])
+def test_on_demand_runs_when_a_refresh_asks(inline_max_s):
+    """A quick collector runs on the refreshing thread; one slower than `inline_max_s` on its
+    own (0: always its own)."""
+    c = Where("c")
+    runner = CollectorRunner([c], interval_s=1.0, on_demand=True, idle_interval_s=3600,
+                             inline_max_s=inline_max_s)
+    runner.refresh(0.0)  # before start: nothing to wake
+    runner.start()
+    try:
+        _wait_until(lambda: runner.health["c"].runs == 1)  # the first run is immediate
+        runner.refresh(3600.0)  # fresh enough: no run
+        assert c.runs == 1
+        runner.refresh(0.0)  # stale: one run, waited for
+        assert c.runs == 2
+        assert runner.readings()["kvscope_host_memory_used_bytes"][0].value == 2
+        assert runner.health["c"].runs == 2
+        assert c.threads[0] == "kvscope-collector-c"
+        assert c.threads[1] == ("kvscope-collector-c" if inline_max_s == 0
+                                else threading.current_thread().name)
+        assert not runner.latest()["c"].samples  # no sink: readings only
+    finally:
+        runner.stop()
+    assert not runner._threads
+
+
+def test_on_demand_idle_floor_keeps_counters_followed():
+    c = Counting("c")
+    runner = CollectorRunner([c], interval_s=1.0, on_demand=True, idle_interval_s=0.01)
+    runner.start()
+    try:
+        _wait_until(lambda: c.runs >= 3)  # nobody refreshes; the idle floor runs it
+    finally:
+        runner.stop()
+
+
+def test_on_demand_refresh_gives_up_on_a_slow_collector():
+    gate = threading.Event()
+    slow, fast = Counting("slow", gate=gate), Counting("fast")
+    runner = CollectorRunner([slow, fast], interval_s=1.0, on_demand=True,
+                             idle_interval_s=3600)
+    runner.start()
+    try:
+        _wait_until(lambda: "fast" in runner.latest() and slow.runs == 1)
+        runner.refresh(0.0, timeout_s=0.05)  # slow is still in its first run: served stale
+        assert "slow" not in runner.latest()
+        gate.set()
+        _wait_until(lambda: "slow" in runner.latest() and runner.health["fast"].runs == 2)
+        runner.refresh(0.0)
+        assert runner.health["fast"].runs == 3  # one run per refresh
+        assert slow.runs == 2  # the first refresh asked for none: one was in progress
+    finally:
+        runner.stop()
+
+
+def test_on_demand_needs_a_positive_idle_interval():
+    with pytest.raises(ValueError, match="idle_interval_s"):
+        CollectorRunner([Counting("c")], on_demand=True, idle_interval_s=0)
+
+
+def test_on_demand_idle_floor_counts_from_the_last_run_by_anyone():
+    """Scrapes more often than the idle floor leave the collector's thread asleep."""
+    c = Where("c")
+    runner = CollectorRunner([c], interval_s=0.02, on_demand=True, idle_interval_s=1.0,
+                             inline_max_s=10.0)
+    runner.start()
+    try:
+        _wait_until(lambda: runner.health["c"].runs == 1)
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            runner.refresh(0.01)
+            time.sleep(0.02)
+    finally:
+        runner.stop()
+    assert c.threads.count("kvscope-collector-c") == 1  # only the immediate first run
+    assert len(c.threads) > 10

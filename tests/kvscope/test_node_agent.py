@@ -529,3 +529,119 @@ def test_the_daemon_without_a_run_store_never_imports_numpy_or_pyarrow(tmp_path:
                          text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.split("\n")[:2] == ["[]", "['numpy', 'pyarrow']"], res.stdout
+
+
+def _cmdline(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/cmdline", "rb") as fh:
+        return fh.read().decode().split("\0")[:-1]
+
+
+@pytest.mark.parametrize("in_process", [False, True])
+def test_the_cli_execs_into_the_daemon_keeping_its_pid(tmp_path: Path, in_process: bool):
+    """`kvscope agent` checks its options, then becomes `python -m kvscope.node` (same PID,
+    same stderr, none of the CLI's modules); KVSCOPE_AGENT_IN_PROCESS=1 keeps it in place."""
+    port = free_port()
+    env = {**os.environ, "KVSCOPE_AGENT_IN_PROCESS": "1" if in_process else "0"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvscope.cli", "agent", "--port", str(port), "--interval", "0.2",
+         "--disable", "nvml", "--watch-pid", f"tester={os.getpid()}"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        text = _wait_for_metrics(port, proc, "kvscope_host_cpu_utilization_ratio ")
+        argv = _cmdline(proc.pid)
+        # The agent watches itself under its own PID, before and after the exec alike.
+        assert _value(text, "kvscope_process_resident_memory_bytes", process="kvscope_agent") > 0
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stderr = proc.stderr.read()
+    assert rc == 0, stderr
+    assert "stopped cleanly" in stderr
+    module = argv[argv.index("-m") + 1]
+    assert module == ("kvscope.cli" if in_process else "kvscope.node"), argv
+    if not in_process:
+        assert "-P" in argv
+        assert "agent" in argv and str(port) in argv  # the original options, for ps
+
+
+def test_the_daemon_module_needs_the_cli_configuration(tmp_path: Path):
+    env = {k: v for k, v in os.environ.items() if k != "KVSCOPE_AGENT_CONFIG"}
+    res = subprocess.run([sys.executable, "-m", "kvscope.node"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2
+    assert res.stderr.strip() == ("kvscope: error: KVSCOPE_AGENT_CONFIG is not set: start the "
+                                  "agent with `kvscope agent`")
+
+
+def test_the_daemon_module_reports_user_errors_like_the_cli(tmp_path: Path):
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        cfg = AgentConfig(port=port, disable=("nvml",))
+        res = subprocess.run([sys.executable, "-m", "kvscope.node"], cwd=REPO,
+                             env={**os.environ, "KVSCOPE_AGENT_CONFIG": cfg.to_json()},
+                             capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"kvscope: error: --port {port}: 127.0.0.1:{port} is already in use; choose another "
+        "--port")
+
+
+def test_config_round_trips_through_json():
+    cfg = AgentConfig(port=0, out="/tmp/x", max_disk_bytes=None, include=("lo", "eth*"),
+                      exclude=("docker*",), watch=(("engine", 41), ("vllm", 42)),
+                      disable=("nvml",), interval_s=0.5, otlp_endpoint="http://127.0.0.1:1/v")
+    assert AgentConfig.from_json(cfg.to_json()) == cfg
+    assert AgentConfig.from_json(AgentConfig().to_json()) == AgentConfig()
+    with pytest.raises(InputError, match="--interval"):
+        AgentConfig.from_json(json.dumps({**json.loads(cfg.to_json()), "interval_s": 0}))
+
+
+def test_the_store_writes_parquet_without_pyarrow_parquet(tmp_path: Path):
+    """The agent's run store publishes parts through pyarrow's Parquet writer class without
+    importing pyarrow.parquet (its filesystems and OpenSSL), nor pyarrow.compute."""
+    code = ("import sys\n"
+            "from kvscope.node.config import AgentConfig\n"
+            "from kvscope.node.daemon import NodeAgent\n"
+            f"a = NodeAgent(AgentConfig(port=0, disable=('nvml',), out={str(tmp_path / 'o')!r},"
+            " interval_s=0.1))\n"
+            "a.start()\n"
+            "import time; time.sleep(0.5)\n"
+            "a.flush()\n"
+            "print(sorted(m for m in ('pyarrow.parquet', 'pyarrow.fs', 'pyarrow.compute', "
+            "'pandas') if m in sys.modules)); a.shutdown()\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split("\n")[0] == "[]", res.stdout
+    run = open_run(tmp_path / "o")
+    assert run.meta["status"] == "complete" and len(run.samples) > 0
+
+
+def test_without_a_run_store_collection_is_timed_to_the_scrape(tmp_path: Path):
+    """/metrics only: a scrape that finds a snapshot older than half an interval has the
+    collectors run first (on their threads) and serves what they read; nobody scraping, they
+    stay idle. A run store (or OTLP) keeps the fixed cadence its samples need."""
+    root = FakeRoot(tmp_path)
+    root.set_nic("eth0", rx_bytes=1)
+    cfg = {"port": 0, "sys_root": str(root.sys), "proc_root": str(root.proc),
+           "disable": ("nvml", "rdma", "host")}
+    node = NodeAgent(AgentConfig(interval_s=0.2, **cfg))
+    assert node.on_demand and node.runner.on_demand
+    try:
+        node.start()
+        end = time.monotonic() + 30
+        while node.runner.health["nic"].runs < 1 and time.monotonic() < end:
+            time.sleep(0.01)
+        time.sleep(0.3)
+        assert node.runner.health["nic"].runs == 1  # no cadence: the idle floor is 60 s
+        root.set_nic("eth0", rx_bytes=42)
+        text = _scrape(node.address[1])
+        assert _value(text, "kvscope_nic_receive_bytes_total", device="eth0") == 42
+        assert node.runner.health["nic"].runs == 2
+    finally:
+        node.shutdown()
+    stored = NodeAgent(AgentConfig(out=str(tmp_path / "run"), **cfg))
+    assert not stored.on_demand and not stored.runner.on_demand

@@ -118,3 +118,52 @@ def test_the_child_exits_when_its_parent_dies() -> None:
     else:
         os.kill(child, 9)
         pytest.fail("the /metrics child outlived its engine")
+
+
+def test_the_server_thread_sleeps_until_a_connection_and_stop_wakes_it() -> None:
+    """No poll interval: the serving thread waits in the kernel (a pipe wakes it to stop)."""
+    from agent.exporters.http import MetricsServer
+
+    srv = MetricsServer("127.0.0.1", 0, lambda: b"x 1\n", "text/plain")
+    srv.start()
+    port = srv.server_address[1]
+    try:
+        assert _get(f"http://127.0.0.1:{port}/metrics")[0] == b"x 1\n"
+        body = _get(f"http://127.0.0.1:{port}/metrics", **{"Accept-Encoding": "gzip"})[0]
+        assert gzip.decompress(body) == b"x 1\n"
+    finally:
+        srv.stop()
+    assert srv._thread is not None and not srv._thread.is_alive()
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    srv.stop()  # idempotent
+
+
+def test_request_parsing_keeps_http_server_semantics() -> None:
+    """Headers in any case, HTTP/1.0 closes unless keep-alive, a bad header line is a 400,
+    and a method other than GET goes through http.server's own parser (501)."""
+    from agent.exporters.http import MetricsServer
+
+    srv = MetricsServer("127.0.0.1", 0, lambda: b"x 1\n", "text/plain")
+    srv.start()
+    port = srv.server_address[1]
+
+    def ask(raw: bytes) -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(raw)
+            chunks = []
+            while chunk := s.recv(65536):  # the server closes: read to EOF
+                chunks.append(chunk)
+            return b"".join(chunks)
+
+    try:
+        r = ask(b"GET /metrics HTTP/1.0\r\naccept-ENCODING: gzip\r\n\r\n")
+        assert r.startswith(b"HTTP/1.1 200") and b"Content-Encoding: gzip" in r
+        r = ask(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert r.startswith(b"HTTP/1.1 200") and r.endswith(b"\r\n\r\nx 1\n")
+        assert ask(b"GET /metrics HTTP/1.1\r\nno colon here\r\n\r\n").startswith(
+            b"HTTP/1.1 400")
+        assert ask(b"POST /metrics HTTP/1.1\r\nConnection: close\r\n\r\n").startswith(
+            b"HTTP/1.1 501")
+    finally:
+        srv.stop()
