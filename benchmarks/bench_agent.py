@@ -403,13 +403,7 @@ def main() -> int:
             return 1
         cyc = json.loads(child.stdout.strip().splitlines()[-1])
     finally:
-        for t in targets:
-            t.proc.terminate()
-        for t in targets:
-            try:
-                t.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                t.proc.kill()
+        stop_all(targets)
         shutil.rmtree(tmp, ignore_errors=True)
 
     mib = 1 / (1 << 20)

@@ -235,16 +235,12 @@ def diagnoses(path: str, version: int) -> tuple[DiagnoseReport | None, str | Non
         from analyzers.diagnose import diagnose_report
     except ImportError as exc:
         return None, f"diagnoses unavailable ({exc})"
-    from analyzers.costmodel import fit_step_cost
-
     run = load_run(path, version)
     try:
         # The same arguments as `analyzers.report.build_report` (what `kvscope analyze`
-        # prints), so the findings and their evidence read the same here and there. The rules
-        # read the step cost model's estimates, not its bootstrap intervals: fitted without
-        # the resamples (the same estimates; 300 resamples are most of the diagnoses' time).
+        # prints), so the findings and their evidence read the same here and there (the step
+        # cost model the rules read is fitted by the diagnoses, without its intervals).
         report = diagnose_report(run.requests, run.spans, layers=run.layers,
-                                 cost=fit_step_cost(run.spans, n_boot=0),
                                  samples=run.samples, events=run.events,
                                  part=partition(path, version),
                                  run_config=run.meta.get("config") if run.is_store else None,

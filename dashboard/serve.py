@@ -73,8 +73,9 @@ def _wait_for_runtime(timeout_s: float) -> bool:
 
 
 def _warm(paths: list[str]) -> None:
-    """Warm every run's caches (`dashboard.data.warm`) once Streamlit's runtime exists (the
-    caches then attach to its storage, as a session's would)."""
+    """Warm every run's caches once Streamlit's runtime exists (the caches then attach to its
+    storage, as a session's would): `dashboard.data.warm_overview` at once, then
+    `dashboard.data.warm_rest` once a first page is sent and drawn (see the module's text)."""
     if not _wait_for_runtime(RUNTIME_WAIT_S):
         _LOG.warning("Streamlit's runtime did not start within %.0f s: no warm-up",
                      RUNTIME_WAIT_S)

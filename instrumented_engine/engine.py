@@ -344,7 +344,6 @@ class LLMEngine:
         evicted = self.kv.take_evictions()
         self.stats.evicted_blocks += evicted
         if tel:
-            sched_ = self.scheduler
             tel.step_done(step_id, t0, t1, t2, t3, t4, forward, batch, tokens,
                           device=self.kv.state_counts(), flow=self.flow,
                           running=len(sched_.running), waiting=len(sched_.waiting),

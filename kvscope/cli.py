@@ -14,7 +14,7 @@ from typing import Any
 
 import typer
 
-from agent.errors import InputError
+from agent.errors import USER_ERRORS, InputError, user_message  # noqa: F401 (re-exported)
 
 # (command name, module, function or sub-app attribute). Order is the order in --help.
 _COMMANDS: tuple[tuple[str, str, str], ...] = (
@@ -108,11 +108,6 @@ def _register() -> None:
 
 _register()
 
-USER_ERRORS = (
-    InputError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError,
-)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script. User errors → one line on stderr, exit 2.
 
@@ -174,17 +169,6 @@ def _click_exceptions() -> Any:
     except ImportError:  # older typer on top of click
         from click import exceptions
     return exceptions
-
-
-def user_message(exc: BaseException) -> str:
-    """The one-line message for a user error (naming the file of an OSError)."""
-    msg = str(exc) or exc.__class__.__name__
-    if isinstance(exc, OSError):
-        msg = exc.strerror or msg
-        if exc.filename and str(exc.filename) not in msg:
-            msg = f"{exc.filename}: {msg}"
-    # One line, whatever the message holds (pyarrow and OS messages can span several).
-    return " ".join(msg.split())
 
 
 if __name__ == "__main__":

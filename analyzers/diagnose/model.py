@@ -492,11 +492,13 @@ class Context:
 
     @property
     def cost(self) -> StepCost:
-        """The run's step cost model (fitted once)."""
+        """The run's step cost model (fitted once; the caller's when it passed one). The rules
+        read its estimates only, so a model fitted here skips the bootstrap intervals: the same
+        estimates, bit for bit, without the resamples that are most of the fit's time."""
         if self._cost is None:
             from analyzers.costmodel import fit_step_cost
 
-            self._cost = fit_step_cost(self.spans)
+            self._cost = fit_step_cost(self.spans, n_boot=0)
         return self._cost
 
     @cached_property

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import InfoMetricFamily, Metric
 
-from agent.errors import InputError
+from agent.errors import USER_ERRORS, InputError, user_message
 from agent.exporters.http import MetricsServer
 from agent.schema import METRICS_BY_NAME, SCHEMA_VERSION
 from collectors.base import BaseCollector, Collection
@@ -51,15 +51,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 #: run.json `config.producer` of an agent's run store (a restart resumes only its own).
 PRODUCER = "kvscope agent"
-#: What `main` reports as a user error: `kvscope: error: ...` and exit status 2, as the CLI.
 #: With collection timed to the scrape: the longest a collector goes without a run (counter
 #: wraps and vanished entities followed, XID queue drained, while nobody scrapes) ...
 IDLE_INTERVAL_S = 60.0
 #: ... and the longest a scrape waits for fresh readings before serving the last ones.
 REFRESH_TIMEOUT_S = 1.0
-USER_ERRORS = (
-    InputError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError,
-)
 
 
 class BuildInfoCollector:
@@ -272,17 +268,6 @@ def run_agent(config: AgentConfig) -> None:
     node.serve_forever()
 
 
-def _user_message(exc: BaseException) -> str:
-    """One line for a user error, as `kvscope.cli.user_message` writes it (that module loads
-    the whole CLI, which is what this process exists to leave out)."""
-    msg = str(exc) or exc.__class__.__name__
-    if isinstance(exc, OSError):
-        msg = exc.strerror or msg
-        if exc.filename and str(exc.filename) not in msg:
-            msg = f"{exc.filename}: {msg}"
-    return " ".join(msg.split())
-
-
 def main() -> int:
     """`python -m kvscope.node`: the daemon `kvscope agent` execs into, configured by the JSON
     in $KVSCOPE_AGENT_CONFIG. Returns the exit status (the CLI's contract: 2 and one line for
@@ -297,7 +282,7 @@ def main() -> int:
     try:
         run_agent(AgentConfig.from_json(text))
     except USER_ERRORS as exc:
-        print(f"kvscope: error: {_user_message(exc)}", file=sys.stderr)
+        print(f"kvscope: error: {user_message(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("kvscope: interrupted", file=sys.stderr)
