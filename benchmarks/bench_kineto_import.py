@@ -5,17 +5,22 @@
 
 Baseline: HTA's ``TraceAnalysis(trace_dir=...)`` (it parses the trace into its per-rank
 DataFrames) against kvscope's ``analyzers.importers.load`` (it parses the trace into its spans,
-requests and summary). Two measures per trace:
+requests and summary: the spans and requests as Arrow tables, the run store's format, which
+`ImportedRun` turns into DataFrames when a caller first reads them). Measures per trace:
 
-- *whole process*: a fresh ``python -c`` per load (interpreter start, imports, parse, frames),
-  the figure issue 23 asks for;
-- *in process*: the load alone, in this process, after one warm-up of each.
+- *whole process*: a fresh ``python -c`` per load (interpreter start, imports, parse, tables),
+  the figure issue 23 asks for; both sides' modules from bytecode caches (`_child_env`);
+- *whole process, DataFrames* (kvscope only reads ``.requests`` and ``.spans`` after the load):
+  what a caller that wants pandas frames, as HTA hands them, pays (pandas' import, mostly);
+- *in process*: the load alone (kvscope's with its DataFrames read), in this process, after
+  one warm-up of each.
 
-The two loaders run alternately (HTA, kvscope, HTA, kvscope, …), so machine noise hits both
-alike. Printed per trace and measure: the median of each, and the median of the per-pair
-ratios (HTA / kvscope) with a distribution-free interval for it (order statistics of the
-pairs; its coverage is printed), plus the load average before and after. Goal: ≥ 5× whole
-process on large traces.
+The loaders run in rounds, each in the reverse order of the one before (HTA, kvscope, kvscope,
+HTA, …), so that machine noise and what one run leaves in the caches hit both alike. Printed
+per trace and measure: the median of each, and the median of the per-round ratios (HTA /
+kvscope) with a distribution-free interval for it (order statistics of the rounds; its
+coverage is printed), plus the load average before and after. Goal: ≥ 5× whole process on
+large traces.
 
 Traces: the shared small ones (``../shared/data/kineto``), every ``--trace``, and with
 ``--make-trace N`` the trace that ``kvscope run --profile -n N`` writes for a real run of our
@@ -46,6 +51,9 @@ SHARED_TRACES = ("sampled_rank-0.json.gz", "benchmark_result_2869224_1695835535_
 
 _OURS_PROC = ("import sys; sys.path.insert(0, sys.argv[2]); from pathlib import Path; "
               "from analyzers.importers import load; load(Path(sys.argv[1]))")
+_OURS_FRAMES_PROC = ("import sys; sys.path.insert(0, sys.argv[2]); from pathlib import Path; "
+                     "from analyzers.importers import load; r = load(Path(sys.argv[1])); "
+                     "r.requests, r.spans")
 _HTA_PROC = ("import logging, sys; logging.disable(logging.WARNING); "
              "from hta.trace_analysis import TraceAnalysis; TraceAnalysis(trace_dir=sys.argv[1])")
 
@@ -68,29 +76,42 @@ def _time(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
-def _proc(argv: list[str]) -> Callable[[], object]:
+def _proc(argv: list[str], env: dict[str, str]) -> Callable[[], object]:
     def run() -> object:
-        return subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
+        return subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, env=env)
 
     return run
 
 
-def _pairs(a: Callable[[], object], b: Callable[[], object], repeats: int
-           ) -> tuple[list[float], list[float]]:
-    ta, tb = [], []
-    for _ in range(repeats):
-        ta.append(_time(a))
-        tb.append(_time(b))
-    return ta, tb
+def _child_env(work: Path) -> dict[str, str]:
+    """The environment of the timed processes: both sides' modules load from bytecode caches
+    (one folder for both, filled by the warm-up runs), as an installed package's do. With
+    PYTHONDONTWRITEBYTECODE set (this workplace sets it), kvscope's source-tree modules would
+    be compiled in every process while HTA's come from site-packages' caches."""
+    env = dict(os.environ)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env["PYTHONPYCACHEPREFIX"] = str(work / "pycache")
+    return env
+
+
+def _rounds(fns: list[Callable[[], object]], repeats: int) -> list[list[float]]:
+    """Each of `fns` timed `repeats` times, in rounds: one call of each per round, every
+    other round in reverse order. Returns the times per function, by round."""
+    times: list[list[float]] = [[] for _ in fns]
+    for r in range(repeats):
+        order = list(range(len(fns)))
+        for i in (order if r % 2 == 0 else order[::-1]):
+            times[i].append(_time(fns[i]))
+    return times
 
 
 def _report(label: str, hta_s: list[float], ours_s: list[float]) -> float:
     ratios = [h / o for h, o in zip(hta_s, ours_s, strict=True)]
     lo, hi, cov = median_interval(ratios)
     med = statistics.median(ratios)
-    print(f"  {label:13s}: HTA median {statistics.median(hta_s) * 1e3:8.1f} ms, kvscope median "
-          f"{statistics.median(ours_s) * 1e3:8.1f} ms; HTA/kvscope per-pair median {med:.1f}x "
-          f"[{lo:.1f}x, {hi:.1f}x] ({cov:.0%} interval, {len(ratios)} pairs)")
+    print(f"  {label:28s}: HTA median {statistics.median(hta_s) * 1e3:8.1f} ms, kvscope median "
+          f"{statistics.median(ours_s) * 1e3:8.1f} ms; HTA/kvscope per-round median {med:.1f}x "
+          f"[{lo:.1f}x, {hi:.1f}x] ({cov:.0%} interval, {len(ratios)} rounds)")
     return med
 
 
@@ -144,23 +165,28 @@ def _bench(trace: Path, work: Path, repeats: int, mode: str) -> None:
     parser = "msgspec typed decode" if kineto.msgspec is not None else "orjson/json"
     print(f"trace: {trace} ({trace.stat().st_size:,} bytes), kvscope parser: {parser}")
     if mode in ("both", "process"):
-        hta_p = _proc([sys.executable, "-c", _HTA_PROC, str(hdir)])
-        ours_p = _proc([sys.executable, "-c", _OURS_PROC, str(trace), str(REPO)])
-        _time(hta_p)  # warm-up: page cache
-        _time(ours_p)
-        _report("whole process", *_pairs(hta_p, ours_p, repeats))
+        env = _child_env(work)
+        hta_p = _proc([sys.executable, "-c", _HTA_PROC, str(hdir)], env)
+        ours_p = _proc([sys.executable, "-c", _OURS_PROC, str(trace), str(REPO)], env)
+        ours_df = _proc([sys.executable, "-c", _OURS_FRAMES_PROC, str(trace), str(REPO)], env)
+        for fn in (hta_p, ours_p, ours_df):  # warm-up: page cache, bytecode caches
+            _time(fn)
+        hta_s, ours_s, df_s = _rounds([hta_p, ours_p, ours_df], repeats)
+        _report("whole process, Arrow tables", hta_s, ours_s)
+        _report("whole process, DataFrames", hta_s, df_s)
     if mode in ("both", "inproc"):
         from hta.trace_analysis import TraceAnalysis
 
         def hta_i() -> object:
             return TraceAnalysis(trace_dir=str(hdir))
 
-        def ours_i() -> object:
-            return load(trace)
+        def ours_i() -> object:  # with its DataFrames: pandas is loaded here anyway
+            r = load(trace)
+            return r.requests, r.spans
 
         _time(hta_i)
         _time(ours_i)
-        _report("in process", *_pairs(hta_i, ours_i, repeats))
+        _report("in process", *_rounds([hta_i, ours_i], repeats))
 
 
 if __name__ == "__main__":

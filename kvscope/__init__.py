@@ -9,6 +9,12 @@ This package may import every other part of kvscope (and is the only one that ma
 engine, the analyzers and the dashboard together); nothing imports it. See docs/DESIGN.md.
 """
 
-from agent import __version__
-
 __all__ = ["__version__"]
+
+
+def __getattr__(name: str) -> str:
+    if name == "__version__":  # looked up on first use, as agent.__version__ is
+        import agent
+
+        return agent.__version__
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,6 +4,12 @@ An importer turns another tool's output into the run-store frames (`requests`, `
 agent/schema.py) and says, in plain sentences, what it could and could not derive from it. Nothing
 here guesses: a quantity the source does not carry stays null (pandas `<NA>`) and is listed in
 `cannot`.
+
+An importer may hand `ImportedRun` its frames as Arrow tables (`requests_table`, `spans_table`,
+`concat_span_tables`): they are turned into the DataFrames the attributes give when first read, so
+that an import whose caller never reads them never loads pandas (the largest import of a small
+trace's whole process). The tables are built from buffers: `pa.array` probes its input with
+pandas' type checks, which import pandas.
 """
 
 from __future__ import annotations
@@ -23,7 +29,6 @@ import pyarrow as pa
 
 from agent.errors import InputError
 from agent.intervals import priority_spans
-from agent.runstore.reader import to_pandas
 from agent.schema import (
     REQUESTS_SCHEMA,
     SPANS_SCHEMA,
@@ -47,6 +52,41 @@ INT64_MAX = (1 << 63) - 1
 TIME_NS_MAX = 1 << 62
 
 
+class _Frame:
+    """`ImportedRun.requests` / `.spans`: holds an Arrow table or a DataFrame; reading it gives
+    the DataFrame (an Arrow table is converted on the first read, then kept)."""
+
+    def __init__(self, table: str) -> None:
+        self.table = table
+        self.name = table
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> pd.DataFrame:
+        if obj is None:  # no class-level default: the dataclass field stays required
+            raise AttributeError(self.name)
+        v = obj.__dict__[self.name]
+        if isinstance(v, pa.Table):
+            v = obj.__dict__[self.name] = frame_of(self.table, v)
+        return v
+
+    def __set__(self, obj: Any, value: pd.DataFrame | pa.Table) -> None:
+        obj.__dict__[self.name] = value
+
+
+def frame_of(table: str, tbl: pa.Table) -> pd.DataFrame:
+    """An import's ``requests`` or ``spans`` Arrow table as the DataFrame `ImportedRun` gives
+    (what `requests_frame` / `spans_frame` return for the same columns)."""
+    if table == "requests":
+        import pandas as pd
+
+        return tbl.to_pandas(types_mapper={pa.int64(): pd.Int64Dtype()}.get)
+    from agent.runstore.reader import to_pandas  # (and pyarrow.parquet) only when read
+
+    return to_pandas(tbl, SPANS_SCHEMA)
+
+
 @dataclass
 class ImportedRun:
     """Another tool's output mapped onto kvscope's frames.
@@ -57,7 +97,9 @@ class ImportedRun:
         requests: one row per request, REQUESTS_SCHEMA columns. Integer columns are pandas
             ``Int64``; accounting columns the source does not carry are ``<NA>`` (unknown), not 0.
         spans: SPANS_SCHEMA columns. State spans of a request partition its TTFT exactly; the
-            part no source field explains is an explicit ``other`` span.
+            part no source field explains is an explicit ``other`` span. An importer may set
+            either frame to an Arrow table of the same columns (`requests_table`,
+            `spans_table`): it becomes the DataFrame when first read (`rows` counts it as is).
         distributions: aggregate-only sources (Prometheus): one row per histogram series with
             ``metric, labels, stage, unit, count, sum, sum_s, mean, p50, p90, p99, buckets,
             complete, note``; None for per-request sources.
@@ -73,8 +115,8 @@ class ImportedRun:
 
     source: str
     path: Path
-    requests: pd.DataFrame
-    spans: pd.DataFrame
+    requests: pd.DataFrame = _Frame("requests")  # type: ignore[assignment]
+    spans: pd.DataFrame = _Frame("spans")  # type: ignore[assignment]
     distributions: pd.DataFrame | None = None
     ratios: list[dict[str, Any]] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
@@ -86,8 +128,13 @@ class ImportedRun:
     @classmethod
     def empty(cls, source: str, path: Path) -> ImportedRun:
         """A run with empty requests and spans frames (importers fill them in)."""
-        return cls(source=source, path=path, requests=_empty("requests").copy(),
-                   spans=_empty("spans").copy())
+        return cls(source=source, path=path, requests=requests_table({}, 0),
+                   spans=spans_table({}, 0))
+
+    def rows(self, table: str) -> int:
+        """Rows of ``requests`` or ``spans``, without building a DataFrame for it."""
+        v = self.__dict__[table]
+        return v.num_rows if isinstance(v, pa.Table) else len(v)
 
     def as_store(self) -> SimpleNamespace:
         """The import shaped like an `agent.runstore.RunStore` (requests, spans, empty layers,
@@ -115,8 +162,8 @@ class ImportedRun:
             d = self.distributions.astype(object)
             dist = d.where(d.notna(), None).to_dict(orient="records")
         return {
-            "source": self.source, "path": str(self.path), "requests": len(self.requests),
-            "spans": len(self.spans), "partition_derived": self.partition_derived,
+            "source": self.source, "path": str(self.path), "requests": self.rows("requests"),
+            "spans": self.rows("spans"), "partition_derived": self.partition_derived,
             "derived": list(self.derived), "can": list(self.can), "cannot": list(self.cannot),
             "ratios": [dict(r) for r in self.ratios], "summary": self.summary,
             "distributions": dist,
@@ -262,6 +309,13 @@ def int_field(v: Any, path: Path | str, record: str, name: str, *, lo: int = -IN
 # --------------------------------------------------------------------------------------------
 
 
+def requests_table(cols: dict[str, Any], n: int) -> pa.Table:
+    """The requests Arrow table `requests_frame` converts (every REQUESTS_SCHEMA column, all
+    nullable: accounting columns are non-null in the run store, imports may not know them)."""
+    arrays = [_array(cols.get(f.name), f.type, n) for f in REQUESTS_SCHEMA]
+    return pa.Table.from_arrays(arrays, schema=_IMPORT_REQUESTS_SCHEMA)
+
+
 def requests_frame(cols: dict[str, Any], n: int) -> pd.DataFrame:
     """A requests DataFrame with every REQUESTS_SCHEMA column.
 
@@ -272,17 +326,13 @@ def requests_frame(cols: dict[str, Any], n: int) -> pd.DataFrame:
     Returns:
         The frame, integer columns as ``Int64``.
     """
-    import pandas as pd
+    return frame_of("requests", requests_table(cols, n))
 
-    arrays = []
-    fields = []
-    for f in REQUESTS_SCHEMA:
-        arrays.append(_array(cols.get(f.name), f.type, n))
-        # Accounting columns are non-null in the run store; imports may not know them.
-        fields.append(pa.field(f.name, f.type, nullable=True))
-    table = pa.Table.from_arrays(arrays, schema=pa.schema(fields))
-    df = table.to_pandas(types_mapper={pa.int64(): pd.Int64Dtype()}.get)
-    return df
+
+def spans_table(cols: dict[str, Any], n: int) -> pa.Table:
+    """The spans Arrow table `spans_frame` converts (every SPANS_SCHEMA column)."""
+    arrays = [_array(cols.get(f.name), f.type, n) for f in SPANS_SCHEMA]
+    return pa.Table.from_arrays(arrays, schema=SPANS_SCHEMA)
 
 
 def spans_frame(cols: dict[str, Any], n: int) -> pd.DataFrame:
@@ -294,8 +344,7 @@ def spans_frame(cols: dict[str, Any], n: int) -> pd.DataFrame:
     Returns:
         The frame, nullable integer columns as ``Int64``/``Int32``.
     """
-    arrays = [_array(cols.get(f.name), f.type, n) for f in SPANS_SCHEMA]
-    return to_pandas(pa.Table.from_arrays(arrays, schema=SPANS_SCHEMA), SPANS_SCHEMA)
+    return frame_of("spans", spans_table(cols, n))
 
 
 @functools.cache
@@ -313,14 +362,103 @@ def concat_spans(frames: list[pd.DataFrame]) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True)
 
 
+def concat_span_tables(tables: list[pa.Table]) -> pa.Table:
+    """`concat_spans` for Arrow span tables: the same rows, in order, as one table (converted,
+    it is the frame `concat_spans` gives for the tables' frames)."""
+    tables = [t for t in tables if t.num_rows]
+    if not tables:
+        return spans_table({}, 0)
+    return tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+
+
+_IMPORT_REQUESTS_SCHEMA = pa.schema([pa.field(f.name, f.type, nullable=True)
+                                     for f in REQUESTS_SCHEMA])
+
+
 def _array(values: Any, typ: pa.DataType, n: int) -> pa.Array:
     if values is None:
         return pa.nulls(n, type=typ)
     if isinstance(values, pa.Array | pa.ChunkedArray):
         return values.cast(typ)
+    built = _from_buffers(values, typ, n)
+    if built is not None:
+        return built
     if isinstance(values, np.ndarray) and values.dtype.kind in "iuf" and pa.types.is_integer(typ):
         return pa.array(values.astype(np.int64, copy=False)).cast(typ)
     return pa.array(values, type=typ, from_pandas=True)
+
+
+_INT_TYPES = {pa.int64(): np.int64, pa.int32(): np.int32}
+
+
+def _from_buffers(values: Any, typ: pa.DataType, n: int) -> pa.Array | None:
+    """`_array`'s result built from buffers, without `pa.array` (which imports pandas): for
+    int64/int32 from a numeric numpy array or a sequence of Python ints and None, and for
+    strings from a sequence of str and None. None for anything else (or a value that does not
+    fit): `pa.array` then builds it, or refuses it, as it always has."""
+    np_type = _INT_TYPES.get(typ)
+    if np_type is None and typ != pa.string():
+        return None
+    if isinstance(values, np.ndarray):
+        if values.ndim != 1 or len(values) != n:
+            return None
+        if values.dtype.kind in "iuf":
+            return None if np_type is None else _fixed(typ, values.astype(np.int64), None)
+        if values.dtype.kind != "O":
+            return None
+    elif not isinstance(values, list | tuple) or len(values) != n:
+        return None
+    valid = np.fromiter(map(_not_none, values), dtype=bool, count=n)
+    present = [v for v in values if v is not None] if not valid.all() else values
+    if np_type is not None:
+        if not all(type(v) is int for v in present):
+            return None  # bools, floats, numpy scalars, ...: pa.array's own conversion
+        data = np.zeros(n, dtype=np.int64)
+        try:
+            data[valid] = np.fromiter(present, dtype=np.int64, count=len(present))
+        except OverflowError:
+            return None
+        return _fixed(typ, data, valid)
+    if not all(type(v) is str for v in present):
+        return None
+    try:
+        enc = [v.encode("utf-8") for v in present]
+    except UnicodeEncodeError:  # a lone surrogate: pa.array says what it says of it
+        return None
+    lengths = np.zeros(n, dtype=np.int64)
+    lengths[valid] = np.fromiter(map(len, enc), dtype=np.int64, count=len(enc))
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    if offsets[-1] > np.iinfo(np.int32).max:
+        return None
+    bitmap, nulls = _bitmap(valid)
+    return pa.Array.from_buffers(pa.string(), n, [bitmap, pa.py_buffer(offsets.astype(np.int32)),
+                                                  pa.py_buffer(b"".join(enc))], null_count=nulls)
+
+
+def _not_none(v: Any) -> bool:
+    return v is not None
+
+
+def _bitmap(valid: np.ndarray | None) -> tuple[pa.Buffer | None, int]:
+    if valid is None or valid.all():
+        return None, 0
+    return pa.py_buffer(np.packbits(valid, bitorder="little")), int(len(valid) - valid.sum())
+
+
+def _fixed(typ: pa.DataType, data: np.ndarray, valid: np.ndarray | None) -> pa.Array | None:
+    """int64 `data` as an Arrow array of `typ` (int64 or int32), nulls where not `valid`; None
+    when a value does not fit `typ` (the caller's `pa.array` then refuses it, as before)."""
+    np_type = _INT_TYPES[typ]
+    if np_type is not np.int64:
+        info = np.iinfo(np_type)
+        kept = data if valid is None else data[valid]
+        if len(kept) and (kept.min() < info.min or kept.max() > info.max):
+            return None
+        data = data.astype(np_type)
+    bitmap, nulls = _bitmap(valid)
+    return pa.Array.from_buffers(typ, len(data), [bitmap, pa.py_buffer(
+        np.ascontiguousarray(data))], null_count=nulls)
 
 
 # --------------------------------------------------------------------------------------------
@@ -372,6 +510,14 @@ def sweep_partition(
 def requests_from_stage_ranges(run: ImportedRun, req: np.ndarray, stage: np.ndarray,
                                start_ns: np.ndarray, end_ns: np.ndarray, ids: np.ndarray,
                                nums: np.ndarray, what: str) -> pd.DataFrame:
+    """`stage_range_tables`, its spans as a DataFrame."""
+    return frame_of("spans", stage_range_tables(run, req, stage, start_ns, end_ns, ids, nums,
+                                                what))
+
+
+def stage_range_tables(run: ImportedRun, req: np.ndarray, stage: np.ndarray,
+                       start_ns: np.ndarray, end_ns: np.ndarray, ids: np.ndarray,
+                       nums: np.ndarray, what: str) -> pa.Table:
     """Stage ranges of profiled requests (kvscope NVTX or `kvscope.<stage>` annotations) →
     `run.requests` and the requests' state spans.
 
@@ -386,7 +532,7 @@ def requests_from_stage_ranges(run: ImportedRun, req: np.ndarray, stage: np.ndar
         ids, nums: per request, its id and `request_num`.
         what: how the ranges are described in the `derived` note.
     Returns:
-        The state spans frame.
+        The state spans, as an Arrow table (`run.requests` is set to one too).
     """
     n_req = len(ids)
     arrival, first = ttft_window(req, stage, start_ns, end_ns, n_req)
@@ -397,7 +543,7 @@ def requests_from_stage_ranges(run: ImportedRun, req: np.ndarray, stage: np.ndar
     finish = first.copy()
     np.maximum.at(finish, req[dec], end_ns[dec])
     has = first > arrival
-    run.requests = requests_frame({
+    run.requests = requests_table({
         "request_id": ids, "request_num": nums, "arrival_ns": arrival,
         "first_token_ns": [int(f) if h else None for f, h in zip(first, has, strict=True)],
         "finish_ns": finish, "status": ["ok"] * n_req}, n_req)
@@ -410,7 +556,7 @@ def requests_from_stage_ranges(run: ImportedRun, req: np.ndarray, stage: np.ndar
     run.can.append(f"TTFT stages for {n_req} request(s)")
     rows = np.r_[part.req, req[dec]]
     n = len(rows)
-    return spans_frame({
+    return spans_table({
         "request_id": ids[rows], "request_num": nums[rows], "kind": ["state"] * n,
         "name": np.r_[part.stage, stage[dec]], "start_ns": np.r_[part.start_ns, start_ns[dec]],
         "end_ns": np.r_[part.end_ns, end_ns[dec]], "clock": ["cpu"] * n}, n)

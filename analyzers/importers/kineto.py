@@ -27,7 +27,9 @@ id`` and the few ``args`` that copies and annotations need, kept as raw JSON unt
 checks them in bulk; a trace that decode refuses (bad JSON, a field of another type, a number out
 of range) is read again by the general path (orjson, or the standard library), which names the
 first field at fault exactly as before. Either way the result is the same `_Events`, vectorised
-from there.
+from there. The spans and requests are built as Arrow tables, which `ImportedRun` turns into its
+DataFrames when they are first read: an import whose caller reads none never loads pandas (the
+largest import of a small trace's process).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 try:  # the typed decode (the `analysis` extra); without it the general path reads every trace
     import msgspec
@@ -54,16 +57,16 @@ from analyzers.importers.base import (
     INT64_MAX,
     TIME_NS_MAX,
     ImportedRun,
-    concat_spans,
+    concat_span_tables,
     count_field,
     field_error,
     is_number,
     number_field,
     parse_json,
     read_bytes,
-    requests_from_stage_ranges,
     shown,
-    spans_frame,
+    spans_table,
+    stage_range_tables,
     us_to_ns,
 )
 from analyzers.units import fmt_ns
@@ -199,8 +202,9 @@ def load_kineto(path: Path) -> ImportedRun:
         "base_time_ns": base,
         "categories": dict(sorted(ev.spelled.items())),
     }
-    _h2d(run, copies, ev, times)
-    _annotations(run, pick("user_annotation"), ev, times, _run_ids(path), path)
+    spans = _h2d(run, copies, ev, times)
+    spans += _annotations(run, pick("user_annotation"), ev, times, _run_ids(path), path)
+    run.spans = concat_span_tables(spans)
     run.cannot.append("token sources (hits, loads, recompute): accounting columns left <NA>")
     k = run.summary["kernels"]
     if k["count"]:
@@ -484,12 +488,13 @@ def _flows(events: list[Any], phs: list[str], path: Path) -> dict[str, int]:
             "finishes_without_start": sum(1 for k in ends if k not in starts)}
 
 
-def _h2d(run: ImportedRun, copies: np.ndarray, ev: _Events, times: Any) -> None:
+def _h2d(run: ImportedRun, copies: np.ndarray, ev: _Events, times: Any) -> list[pa.Table]:
+    """The ``h2d`` activity spans (a list of one table, or none), and their notes on `run`."""
     path = run.path
     h2d = np.array([i for i in copies if ev.name(i).startswith("Memcpy HtoD")], dtype=np.int64)
     if not len(h2d):
         run.cannot.append("h2d activity: no `Memcpy HtoD` events in this trace")
-        return
+        return []
     start, end = times(h2d)
     nbytes = [_bytes_of(ev, int(i), path) for i in h2d]
     corr = []
@@ -498,10 +503,10 @@ def _h2d(run: ImportedRun, copies: np.ndarray, ev: _Events, times: Any) -> None:
         corr.append(None if c is None else count_field(c, path, f"traceEvents[{i}]",
                                                        "args.correlation"))
     n = len(h2d)
-    run.spans = concat_spans([run.spans, spans_frame({
+    table = spans_table({
         "kind": ["activity"] * n, "name": ["h2d"] * n, "start_ns": start, "end_ns": end,
         "tier": ["host"] * n, "bytes": nbytes, "transfer_id": corr,
-        "clock": ["cuda_event"] * n}, n)])
+        "clock": ["cuda_event"] * n}, n)
     known = [b for b in nbytes if b is not None]
     unknown = n - len(known)
     run.can.append(f"h2d activity: {n:,} `Memcpy HtoD` copies (not linked to requests), "
@@ -510,6 +515,7 @@ def _h2d(run: ImportedRun, copies: np.ndarray, ev: _Events, times: Any) -> None:
     if unknown:
         run.cannot.append(f"bytes of {unknown:,} of {n:,} `Memcpy HtoD` copies: the events "
                           "have no `bytes` argument (left unknown, not counted as 0)")
+    return [table]
 
 
 def _run_ids(path: Path) -> dict[int, str]:
@@ -518,12 +524,12 @@ def _run_ids(path: Path) -> dict[int, str]:
         if (d / "run.json").is_file():
             from agent.runstore.reader import open_run
 
-            try:
-                req = open_run(d, tables=("requests",)).requests
+            try:  # the Arrow table: reading it as a DataFrame would load pandas
+                req = open_run(d, tables=("requests",)).tables["requests"]
             except (InputError, OSError):
                 return {}  # not a readable run store: fall back to request_num as the id
-            nums = req["request_num"].to_numpy(dtype=np.int64, na_value=-1)
-            return dict(zip(nums.tolist(), req["request_id"].astype(str).tolist(), strict=True))
+            nums = [-1 if n is None else n for n in req["request_num"].to_pylist()]
+            return dict(zip(nums, map(str, req["request_id"].to_pylist()), strict=True))
     return {}
 
 
@@ -563,28 +569,30 @@ def split_name(name: str) -> tuple[str, int | None]:
 
 
 def _annotations(run: ImportedRun, ann: np.ndarray, ev: _Events, times: Any,
-                 ids: dict[int, str], path: Path) -> None:
+                 ids: dict[int, str], path: Path) -> list[pa.Table]:
+    """The spans of ``kvscope.*`` ranges (step, activity, then state span tables); sets
+    `run.requests` when there are state ranges."""
     ours = np.array([i for i in ann if ev.name(i).startswith(PREFIX)], dtype=np.int64)
     if not len(ours):
         run.cannot.append(f"TTFT stages: no `{PREFIX}<stage>` user annotations (trace not "
                           "recorded by `kvscope run --profile`)")
-        return
+        return []
     parsed = [split_name(ev.name(i)) for i in ours]
     names = np.array([n for n, _ in parsed], dtype=object)
     payload = [p for _, p in parsed]
     start, end = times(ours)
     is_state = np.isin(names, np.array(STATES, dtype=object))
     is_step = np.isin(names, np.array(STEP_PHASES, dtype=object))
-    frames = [run.spans]
+    frames: list[pa.Table] = []
 
     if is_step.any():
         m = np.flatnonzero(is_step)
-        frames.append(spans_frame({
+        frames.append(spans_table({
             "kind": ["step"] * len(m), "name": names[m], "start_ns": start[m], "end_ns": end[m],
             "step_id": [payload[i] for i in m], "clock": ["cpu"] * len(m)}, len(m)))
     other = np.flatnonzero(~is_state & ~is_step)
     if len(other):
-        frames.append(spans_frame({
+        frames.append(spans_table({
             "kind": ["activity"] * len(other), "name": names[other], "start_ns": start[other],
             "end_ns": end[other], "clock": ["cpu"] * len(other)}, len(other)))
 
@@ -599,7 +607,7 @@ def _annotations(run: ImportedRun, ann: np.ndarray, ev: _Events, times: Any,
         nums = _nums(uniq)
         rid = np.array([ids.get(int(n), u) for n, u in zip(nums, uniq, strict=True)],
                        dtype=object) if ids else uniq
-        frames.append(requests_from_stage_ranges(
+        frames.append(stage_range_tables(
             run, req, names[st], start[st], end[st], rid, nums, f"`{PREFIX}<stage>` ranges"))
         if ids:
             run.derived.append("request ids: request_num → request_id from the run store "
@@ -607,7 +615,7 @@ def _annotations(run: ImportedRun, ann: np.ndarray, ev: _Events, times: Any,
         if synthetic:
             run.cannot.append("per-request split: the annotations carry no request, so all "
                               "ranges form one synthetic request `kineto-0`")
-    run.spans = concat_spans(frames)
+    return frames
 
 
 def _nums(ids: np.ndarray) -> np.ndarray:
