@@ -4,15 +4,18 @@ it, which returns the log-sum-exp). The same code runs on CPU and CUDA.
 Each step packs the ragged batch into one flat token tensor (no padding): request i owns rows
 `[query_start[i], query_start[i+1])`. Per layer, every new token's K/V is first written into its
 slot (`slot_mapping`), then each request attends to its whole context by gathering K/V through
-its block table. Writing the whole batch before any read means a request may read blocks that a
-batch-mate computes in this same step (a same-step prefix hit), as in vLLM.
+its block table (a chunk's own keys, just written, are read from this step's K/V as they are;
+only the keys before the chunk are gathered). Writing the whole batch before any read means a
+request may read blocks that a batch-mate computes in this same step (a same-step prefix hit),
+as in vLLM.
 
 Single-token requests (decodes) are attended in one padded batch; padding is read-only (masked
 keys) and never writes KV. Longer chunks (prefills) are attended one request at a time. A chunk
 that follows a prefix (cached blocks, or earlier chunks of its prompt) is split: every query sees
 every prefix key, so that part is unmasked attention; the chunk's own keys are plain causal
 attention. Both parts return their log-sum-exp and are merged exactly: with partial outputs
-o1, o2 and log-sum-exps l1, l2, the full softmax output is o2 + (o1 - o2) * sigmoid(l1 - l2).
+o1, o2 and log-sum-exps l1, l2, the full softmax output is o2 + (o1 - o2) * sigmoid(l1 - l2)
+(one fused lerp, written straight into the step's output rows).
 No dense mask is built and no masked-out score is computed. Where the split does not apply (a
 sliding-window layer whose window cuts into the context) or is not the default (other devices
 than the CPU, whose fused SDPA kernels take the mask) the chunk attends through a causal mask
@@ -193,13 +196,22 @@ def _attention_with_lse_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def merge_by_lse(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
-                 lse2: torch.Tensor) -> torch.Tensor:
+                 lse2: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The attention output over the union of two disjoint key sets, from each set's output
     (..., n, hd) and log-sum-exp (..., n). Computed in the log-sum-exp's precision, returned in
-    the outputs' dtype."""
+    the outputs' dtype; written into `out` (any strides, the outputs' shape and dtype) when
+    given."""
     w1 = torch.sigmoid(lse1 - lse2).unsqueeze(-1)  # share of the first set's softmax mass
+    if o1.dtype == w1.dtype:
+        # One fused pass, o2 + w1 * (o1 - o2); exact at w1 = 0 and w1 = 1.
+        if out is None:
+            return torch.lerp(o2, o1, w1)
+        return torch.lerp(o2, o1, w1, out=out)
     a, b = o1.to(w1.dtype), o2.to(w1.dtype)
-    return torch.addcmul(b, a - b, w1).to(o1.dtype)
+    merged = torch.addcmul(b, a - b, w1).to(o1.dtype)
+    if out is None:
+        return merged
+    return out.copy_(merged)
 
 
 def paged_attention(
@@ -230,18 +242,28 @@ def paged_attention(
     for (lo, hi), slots, mask, pre in zip(meta.prefill_rows, meta.prefill_ctx_slots,
                                           meta.prefill_masks, meta.prefill_prefix, strict=True):
         qs = q[lo:hi].transpose(0, 1).unsqueeze(0)  # (1, nh, n, hd)
-        ks = k_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # (1, nkv, ctx, hd)
-        vs = v_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0)
-        if mask is None and pre > 0:
-            # Unmasked over the prefix, causal over the chunk, merged by log-sum-exp.
-            o_pre, lse_pre = attention_with_lse(qs, ks[:, :, :pre], vs[:, :, :pre], False)
-            o_new, lse_new = attention_with_lse(qs, ks[:, :, pre:], vs[:, :, pre:], True)
-            o = merge_by_lse(o_pre, lse_pre, o_new, lse_new)
+        dst = out[lo:hi].transpose(0, 1).unsqueeze(0)  # (1, nh, n, hd) view of the output
+        if mask is None:
+            # The chunk's own keys are this step's k/v (just written to the cache): read them
+            # as they are; only the prefix comes from the cache.
+            kn = k[lo:hi].transpose(0, 1).unsqueeze(0)  # (1, nkv, n, hd)
+            vn = v[lo:hi].transpose(0, 1).unsqueeze(0)
+            if pre > 0:
+                # Unmasked over the prefix, causal over the chunk, merged by log-sum-exp.
+                pslots = slots[:pre]
+                kp = k_flat.index_select(0, pslots).transpose(0, 1).unsqueeze(0)
+                vp = v_flat.index_select(0, pslots).transpose(0, 1).unsqueeze(0)
+                o_pre, lse_pre = attention_with_lse(qs, kp, vp, False)
+                o_new, lse_new = attention_with_lse(qs, kn, vn, True)
+                merge_by_lse(o_pre, lse_pre, o_new, lse_new, out=dst)
+            else:
+                dst.copy_(F.scaled_dot_product_attention(qs, kn, vn, is_causal=True,
+                                                         enable_gqa=True))
         else:
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask,
-                                               is_causal=mask is None,
-                                               enable_gqa=True)  # (1, nh, n, hd)
-        out[lo:hi] = o[0].transpose(0, 1)
+            ks = k_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # (1, nkv, ctx, hd)
+            vs = v_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+            dst.copy_(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask,
+                                                     enable_gqa=True))  # (1, nh, n, hd)
     if meta.decode_rows is not None:
         assert meta.decode_ctx_slots is not None
         d, max_ctx = meta.decode_ctx_slots.shape

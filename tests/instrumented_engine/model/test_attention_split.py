@@ -199,3 +199,25 @@ def test_split_without_the_cpu_kernel_uses_plain_ops(monkeypatch: pytest.MonkeyP
     split, meta, qkv = _run(reqs, torch.float32, split=True)
     assert meta.prefill_prefix == [0, 20, 16]
     assert (split.double() - _reference(reqs, qkv, None)).abs().max().item() < 2e-6
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_merge_into_a_strided_output_equals_the_returned_merge(dtype: torch.dtype) -> None:
+    # paged_attention merges straight into its (T, nh, hd) output rows seen as (1, nh, n, hd).
+    g = torch.Generator().manual_seed(11)
+    n = 7
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    o1, o2 = (torch.randn(1, NH, n, HD, generator=g, dtype=torch.float64).to(dtype)
+              for _ in range(2))
+    lse1, lse2 = (torch.randn(1, NH, n, generator=g, dtype=torch.float64).to(acc) * 3
+                  for _ in range(2))
+    rows = torch.full((n + 3, NH, HD), float("nan"), dtype=dtype)
+    dst = rows[2:2 + n].transpose(0, 1).unsqueeze(0)
+    got = merge_by_lse(o1, lse1, o2, lse2, out=dst)
+    assert got.data_ptr() == dst.data_ptr()
+    want = merge_by_lse(o1, lse1, o2, lse2)
+    assert torch.equal(rows[2:2 + n], want[0].transpose(0, 1))
+    assert rows[:2].isnan().all() and rows[2 + n:].isnan().all()  # nothing else written
+    w = torch.sigmoid(lse1.double() - lse2.double()).unsqueeze(-1)
+    exact = o2.double() + (o1.double() - o2.double()) * w
+    assert (want.double() - exact).abs().max().item() < TOL[dtype] * 4
