@@ -15,7 +15,9 @@ unkeyed objects and xxh3, the tier without `--remote-key-file`):
   (each object checked against its key — header, digest, namespace, key id — and its MAC, the
   payload in a preallocated destination block: Redis and files read it there in place, Mooncake
   copies it from the registered buffer `batch_get_into` filled), each operation under the
-  deadline/breaker machinery on its worker thread.
+  deadline/breaker machinery on its worker thread (files: the read of objects whose bytes are
+  all in the page cache — preadv2 RWF_NOWAIT, which never waits on the device — runs on the
+  calling thread, as the raw read does; the lookup's opens stay on a worker).
 - raw, the same work with the backend's own client and no kvscope code: every object's bytes
   into the same destination blocks, its header compared with the one its key must have, its
   MAC (or xxh3) computed over header and payload and compared. Redis: one redis-py `MGET` of

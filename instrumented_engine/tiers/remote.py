@@ -1,11 +1,15 @@
 """The remote tier as the engine sees it: any `RemoteStore` (tiers.stores) behind timeouts,
 retries, circuit breakers, and every failure classified by reason (agent.schema.LOAD_FAIL_REASONS).
 
-Each backend operation runs on a small worker pool and is awaited with a deadline. A read
-decodes into caller-owned destination tensors *inside* the worker, so after a timeout the worker
-may still write into them: the result then carries the pending future, and the caller must not
-reuse those buffers until `ReadResult.when_buffers_free` fires (the read completed late — counted
-as `late_completions` — or was cancelled before it started). A timed-out read is therefore not
+Each backend operation runs on a small worker pool and is awaited with a deadline (one lock
+handed between caller and worker: `_Workers`). The one exception is work that cannot wait on
+the backend: a store's `read_cached` (files: the head of a looked-up chain whose bytes are all
+in the page cache, read with RWF_NOWAIT) runs on the calling thread, and the rest of the chain
+goes to a worker under the deadline as before. A read decodes into caller-owned destination
+tensors *inside* the worker, so after a timeout the worker may still write into them: the
+result then carries the pending future, and the caller must not reuse those buffers until
+`ReadResult.when_buffers_free` fires (the read completed late — counted as
+`late_completions` — or was cancelled before it started). A timed-out read is therefore not
 retried into the same buffers; backend errors are retried up to `retries` times.
 
 Each operation kind (lookup, read, write) has its own circuit breaker, judged only by its own
@@ -29,10 +33,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
+from queue import Empty, SimpleQueue
 from typing import Any
 
 import numpy as np
@@ -126,6 +132,158 @@ class ReadResult:
 
 OPS: tuple[str, ...] = ("lookup", "read", "write")
 
+_U8 = np.dtype(np.uint8)
+
+
+class _Call:
+    """One operation handed to a worker (`_Workers`).
+
+    `claim` is taken by whoever gets to decide first: the worker when it starts the call, or
+    the caller cancelling it at its deadline before it started. `done` is held until the call
+    finished (or was cancelled by `shutdown`); `future` is set by a caller that stopped
+    waiting while the call runs, and completed by the worker when it finishes."""
+
+    __slots__ = ("claim", "done", "error", "finished", "fn", "future", "value")
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn: Callable[[], Any] | None = fn
+        self.claim = threading.Lock()
+        self.done = threading.Lock()
+        self.done.acquire()
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.finished = False
+        self.future: Future[Any] | None = None
+
+
+class _Workers:
+    """The worker threads of `ResilientRemote`: what it used of a ThreadPoolExecutor (threads
+    started on demand up to `n`, a call cancelled if its deadline passes before it starts, a
+    future for one still running, queued calls cancelled at shutdown) with less per
+    operation: the caller waits on one lock the worker releases, and a future is made only for
+    a call its caller stopped waiting for. Threads are daemons: a call hung in the kernel does
+    not hold up the interpreter's exit."""
+
+    def __init__(self, n: int, name: str) -> None:
+        self._max = n
+        self._name = name
+        self._queue: SimpleQueue[_Call | None] = SimpleQueue()
+        #: One token per call a worker finished (a worker free or about to be: no new thread).
+        self._idle: list[None] = []
+        self._threads = 0
+        self._lock = threading.Lock()
+        self._closed = False
+        weakref.finalize(self, _stop, self._queue, n)
+
+    def submit(self, fn: Callable[[], Any]) -> _Call:
+        call = _Call(fn)
+        if self._closed:  # shut down: cancelled at once, as a queued call is at shutdown
+            call.claim.acquire()
+            self._cancel(call)
+            return call
+        try:
+            self._idle.pop()
+        except IndexError:
+            self._spawn()
+        self._queue.put(call)  # last: the worker it wakes finds the caller about to wait
+        return call
+
+    def _spawn(self) -> None:
+        with self._lock:
+            if self._closed or self._threads >= self._max:
+                return
+            i = self._threads
+            self._threads += 1
+        # The thread holds the queue, not the pool: a pool never shut down that goes away
+        # stops its threads (its finalizer), as a ThreadPoolExecutor's do.
+        threading.Thread(target=_work, args=(self._queue, self._idle, self._lock),
+                         name=f"{self._name}_{i}", daemon=True).start()
+
+    @staticmethod
+    def _cancel(call: _Call) -> None:
+        """Cancel a call whose `claim` the caller holds: it never runs."""
+        call.fn = None
+        call.error = CancelledError()
+        call.done.release()
+
+    @staticmethod
+    def wait(call: _Call, timeout: float) -> Any:
+        """The call's value, or its exception raised; `FutureTimeout` when it has not
+        finished within `timeout` seconds (then `abandon` it)."""
+        if not call.done.acquire(True, timeout):
+            raise FutureTimeout()
+        if call.error is not None:
+            raise call.error
+        return call.value
+
+    def abandon(self, call: _Call) -> Future[Any] | None:
+        """The caller stops waiting: None when the call had not started (it never will),
+        else a future that completes when it finishes (now, if it already has)."""
+        if call.claim.acquire(False):
+            call.fn = None
+            return None
+        fut: Future[Any] = Future()
+        fut.set_running_or_notify_cancel()
+        with self._lock:
+            if not call.finished:
+                call.future = fut
+                return fut
+        if call.error is None:
+            fut.set_result(call.value)
+        else:
+            fut.set_exception(call.error)
+        return fut
+
+    def shutdown(self) -> None:
+        """Cancel the queued calls and stop the threads once their running calls finish."""
+        with self._lock:
+            self._closed = True
+            n = self._threads
+        while True:
+            try:
+                call = self._queue.get_nowait()
+            except Empty:
+                break
+            if call is not None and call.claim.acquire(False):
+                self._cancel(call)
+        _stop(self._queue, n)
+
+
+def _work(queue: SimpleQueue[_Call | None], idle: list[None], lock: threading.Lock) -> None:
+    """A worker thread of `_Workers`: runs calls until it takes a None."""
+    while True:
+        call = queue.get()
+        if call is None:
+            return
+        if call.claim.acquire(False):  # else cancelled before it started
+            _finish(call, idle, lock)
+        else:
+            idle.append(None)
+        del call
+
+
+def _finish(call: _Call, idle: list[None], lock: threading.Lock) -> None:
+    fn, call.fn = call.fn, None
+    try:
+        call.value = fn()  # type: ignore[misc]
+    except BaseException as e:
+        call.error = e
+    with lock:
+        call.finished = True
+        fut = call.future
+    idle.append(None)  # before the caller wakes: its next call needs no new thread
+    call.done.release()
+    if fut is not None:
+        if call.error is None:
+            fut.set_result(call.value)
+        else:
+            fut.set_exception(call.error)
+
+
+def _stop(queue: SimpleQueue[_Call | None], n: int) -> None:
+    for _ in range(n):
+        queue.put(None)
+
 
 class ResilientRemote:
     """Wraps a raw `RemoteStore`; never raises backend failures, returns them classified.
@@ -163,7 +321,7 @@ class ResilientRemote:
             op: CircuitBreaker(config.breaker, clock=clock,
                                on_change=lambda o, n, t, op=op: self._breaker_changed(op, o, n, t))
             for op in OPS}
-        self._pool = ThreadPoolExecutor(config.workers, thread_name_prefix="kvscope-remote")
+        self._pool = _Workers(config.workers, "kvscope-remote")
         self._closed = threading.Event()
 
     def breaker_states(self) -> dict[str, str]:
@@ -194,8 +352,15 @@ class ResilientRemote:
     def _reason(e: BaseException) -> str:
         return "timeout" if isinstance(e, (RemoteTimeout, FutureTimeout)) else "error"
 
-    def _run(self, op: str, fn: Callable[[], Any]) -> tuple[Any, str | None, Future[Any] | None]:
+    def _run(self, op: str, fn: Callable[[], Any], first: Callable[[], Any] | None = None
+             ) -> tuple[Any, str | None, Future[Any] | None]:
         """Run `fn` on the pool under the breaker, deadline and retries.
+
+        Args:
+            first: run on the calling thread before `fn`, for work that never waits on the
+                backend (reads served from memory without blocking): it returns the
+                operation's value when it did all of it, else None and `fn` does the rest on
+                the pool, under the deadline.
 
         Returns:
             (value, None, None) on success, or (None, reason, still-running future or None).
@@ -207,18 +372,34 @@ class ResilientRemote:
         if not breaker.allow():
             self.stats.fail("circuit_open")
             return None, "circuit_open", None
+        if first is not None:
+            t0 = self.clock()
+            try:
+                value = first()
+            except (RemoteError, OSError):  # a worker does it all again, under the deadline
+                value = None
+            except Exception:  # as below: a bug, not a backend failure
+                log.exception("remote %s failed unexpectedly", op)
+                self.stats.fail("error")
+                self.stats.add("unexpected_errors")
+                breaker.record_failure()
+                return None, "error", None
+            if value is not None:
+                self.stats.op(op, self.clock() - t0)
+                breaker.record_success()
+                return value, None, None
         reason = "error"
         for attempt in range(self.config.retries + 1):
             if attempt:
                 self.stats.add("retries")
             t0 = self.clock()
-            fut = self._pool.submit(fn)
+            call = self._pool.submit(fn)
             try:
-                value = fut.result(timeout=self.config.timeout_s)
+                value = self._pool.wait(call, self.config.timeout_s)
             except FutureTimeout:
-                if fut.cancel():
+                fut = self._pool.abandon(call)
+                if fut is None:
                     self.stats.add("cancelled")
-                    fut = None
                 else:
                     fut.add_done_callback(self._late)
                 self.stats.fail("timeout")
@@ -294,7 +475,11 @@ class ResilientRemote:
         """
         if len(dests) != len(block_hashes):
             raise ValueError("read_into needs one destination per block hash")
-        rows = [fmt.dest_bytes(d, self.layout) for d in dests]  # misuse raises here, not later
+        # Misuse raises here, not later. Byte rows of the layout (what host pools hand out)
+        # are taken as they are, as fmt.dest_bytes would; anything else goes through it.
+        row = (self.layout.payload_bytes,)
+        rows = [d if type(d) is np.ndarray and d.dtype is _U8 and d.shape == row
+                else fmt.dest_bytes(d, self.layout) for d in dests]
         if transfer_id is None:
             transfer_id = -1 if self.recorder is None else self.recorder.new_transfer_id()
         t0 = self.clock()
@@ -303,10 +488,28 @@ class ResilientRemote:
 
         read_in_place = getattr(self.store, "read_into_many", None)
         read_views = getattr(self.store, "read_views", None)
+        read_cached = getattr(self.store, "read_cached", None)
+        #: (files) the chain's head read on this thread from the page cache: its statuses
+        #: and bytes; the workers read the rest.
+        head: tuple[list[str | None], int] = ([], 0)
+
+        def cached() -> tuple[list[str | None], int] | None:
+            nonlocal head
+            statuses, nbytes, k = self._read_in_place(read_cached, block_hashes, namespace,
+                                                      rows)
+            if k == len(block_hashes):
+                return statuses, nbytes
+            head = (statuses[:k], nbytes)
+            return None
 
         def op() -> tuple[list[str | None], int]:
             if read_in_place is not None:  # files, Redis: payloads land in `rows` directly
-                return self._read_in_place(read_in_place, block_hashes, namespace, rows)
+                k = len(head[0])
+                if not k:
+                    return self._read_in_place(read_in_place, block_hashes, namespace, rows)[:2]
+                statuses, nbytes, _ = self._read_in_place(read_in_place, block_hashes[k:],
+                                                          namespace, rows[k:])
+                return head[0] + statuses, head[1] + nbytes
             objs: Sequence[bytes | memoryview | None]
             if read_views is not None:  # views of the store's read buffer (Mooncake)
                 objs = read_views(block_hashes, layout.object_bytes)
@@ -328,37 +531,48 @@ class ResilientRemote:
                 statuses.append(LOADED)
             return statuses, nbytes
 
-        value, reason, pending = self._run("read", op)
+        value, reason, pending = self._run(
+            "read", op, cached if read_cached is not None and read_in_place is not None
+            else None)
         t1 = self.clock()
         if reason is not None:
             res = ReadResult([reason] * len(block_hashes), 0, transfer_id, t0, t1, pending)
+            loaded = 0
         else:
             statuses, nbytes = value
-            res = ReadResult(statuses, nbytes, transfer_id, t0, t1,
-                             staged=sum(st is LOADED for st in statuses))
+            loaded = statuses.count(LOADED)
+            res = ReadResult(statuses, nbytes, transfer_id, t0, t1, staged=loaded)
         # A read that reached the backend but returned an unusable object is a `checksum` (or,
         # for intact objects of another key, `mismatch`) outcome; a promised object that is
         # gone (`evicted`) is not a backend failure.
-        outcome = reason or next((o for o in ("checksum", "mismatch") if o in res.statuses),
-                                 "ok")
+        if reason is None and loaded == len(res.statuses):
+            outcome = "ok"
+        else:
+            outcome = reason or next(
+                (o for o in ("checksum", "mismatch") if o in res.statuses), "ok")
+            for r, n in res.failed_by_reason().items():
+                self.stats.add(f"blocks_failed_{r}", n)
         self.stats.outcome("read", outcome)
-        for r, n in res.failed_by_reason().items():
-            self.stats.add(f"blocks_failed_{r}", n)
         self.stats.add("bytes_read", res.nbytes)
-        self.stats.add("blocks_loaded", res.loaded)
+        self.stats.add("blocks_loaded", loaded)
         # A failed read is a transfer too (it is what a `remote_read` state waited on).
-        self._span("remote_read", t0, t1, res.loaded * layout.block_size, res.nbytes,
+        self._span("remote_read", t0, t1, loaded * layout.block_size, res.nbytes,
                    transfer_id, request_num)
         return res
 
-    def _read_in_place(self, read_in_place: Callable[..., list[int | None]],
+    def _read_in_place(self, read_in_place: Callable[..., Any],
                        block_hashes: Sequence[bytes], namespace: bytes,
-                       dests: Sequence[np.ndarray]) -> tuple[list[str | None], int]:
+                       dests: Sequence[np.ndarray]) -> tuple[list[str | None], int, Any]:
         """Stores that read into caller buffers (`read_into_many`: files, Redis): the whole
         chain in one call, each payload straight into its destination with no intermediate
         copy, and each object checked against its key and tag as soon as it is read (its
         bytes still in cache). A failed block's destination then holds whatever was read (the
-        caller discards failed blocks anyway)."""
+        caller discards failed blocks anyway).
+
+        Returns:
+            (statuses, object bytes read, what `read_in_place` returned: for `read_cached`
+            how many blocks of the chain's head it read).
+        """
         header = memoryview(bytearray(fmt.HEADER_SIZE))  # one: each is checked before the next
         check = fmt.ChainCheck(self.layout, namespace, self.key)
         statuses: list[str | None] = ["evicted"] * len(block_hashes)
@@ -377,8 +591,8 @@ class ResilientRemote:
                 self.stats.add(f"corrupt_{bad.reason}")
                 statuses[i] = bad.failure
 
-        read_in_place(block_hashes, [header] * len(block_hashes), dests, on_read)
-        return statuses, nbytes
+        got = read_in_place(block_hashes, [header] * len(block_hashes), dests, on_read)
+        return statuses, nbytes, got
 
     def write(self, block_hash: bytes, namespace: bytes, payload: torch.Tensor) -> str | None:
         """Encode and store one block.
@@ -408,5 +622,5 @@ class ResilientRemote:
         if self._closed.is_set():
             return
         self._closed.set()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
         self.store.close()

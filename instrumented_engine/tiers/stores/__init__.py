@@ -12,7 +12,11 @@ list[int | None]` (files, Redis): a chain read in place, each object's header in
 buffer and its payload straight into a destination block, `on_read(i, length)` called after
 each object (None: not stored) before the next is read — the resilience layer checks the
 object there (`format.ChainCheck`), while its bytes are in cache. Without it, reads go through
-`read_many` (or Mooncake's `read_views`) and one copy.
+`read_many` (or Mooncake's `read_views`) and one copy. A store with `read_into_many` may also
+offer `read_cached(...)` with the same arguments, returning how many blocks of the chain's head
+it read without waiting on any I/O (files: page-cache bytes through descriptors the lookup
+holds); the resilience layer calls it on the calling thread and hands the rest of the chain to
+`read_into_many` on a worker, under the read deadline.
 """
 
 from __future__ import annotations

@@ -10,10 +10,16 @@ behind, never under a digest's name; `sweep_temporaries` removes them).
 for the read that follows it, so a read of a looked-up chain resolves no path again — it reads
 the very objects the lookup found (a snapshot: an object replaced or removed in between is read
 as it was found, and is still checked against its key like any other).
+
+`read_cached` reads the head of such a chain without ever waiting for the device (preadv2
+with RWF_NOWAIT on the held descriptors: bytes already in the page cache, or nothing), so the
+resilience layer runs it on the calling thread; what it does not read goes to `read_into_many`
+on a worker, under the read deadline.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from collections import OrderedDict
@@ -28,6 +34,10 @@ from instrumented_engine.tiers.stores import RemoteError
 _TMP_SUFFIX = ".tmp"
 #: Descriptors opened by lookups kept for their reads (the oldest are closed beyond it).
 _MAX_HELD = 256
+#: preadv2's "do not wait": a read of bytes not all in the page cache fails (EAGAIN) or stops
+#: short at a page boundary instead of waiting for the device (Linux).
+_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None) if hasattr(os, "preadv") else None
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def _mkdir_failure(root: Path, exc: OSError) -> str:
@@ -76,6 +86,8 @@ class FileStore:
         #: digest -> a descriptor `lookup` opened on its object, not yet read (oldest first).
         self._held: OrderedDict[bytes, int] = OrderedDict()
         self._held_lock = threading.Lock()
+        #: Whether `read_cached` may try (the OS has RWF_NOWAIT, the file system took it).
+        self._nowait = _NOWAIT is not None
 
     def path(self, block_hash: bytes) -> Path:
         """Where the object of `block_hash` is published."""
@@ -232,6 +244,56 @@ class FileStore:
                 if fd is not None:
                     os.close(fd)
         return out
+
+    def read_cached(self, block_hashes: Sequence[bytes], headers: Sequence[memoryview],
+                    payloads: Sequence[np.ndarray],
+                    on_read: Callable[[int, int | None], None] | None = None) -> int:
+        """`read_into_many` for the head of a chain, without waiting on any I/O: from block 0
+        on, each object whose descriptor the chain's lookup holds and whose bytes are all in
+        the page cache, stopping at the first that is not (no path resolved, no device read:
+        preadv2 RWF_NOWAIT). The descriptors of the blocks it did not read stay held for
+        `read_into_many`.
+
+        Returns:
+            How many blocks of the chain's head it read (each reported to `on_read` as by
+            `read_into_many`, with its full length).
+        """
+        if _NOWAIT is None or not self._nowait or not self._held or not block_hashes:
+            return 0
+        with self._held_lock:
+            pop = self._held.pop
+            fds = [pop(h, None) for h in block_hashes]
+        tail = bytearray(1)
+        done = 0
+        try:
+            for fd, header, payload in zip(fds, headers, payloads, strict=True):
+                if fd is None:
+                    break
+                size = len(header) + payload.size
+                try:
+                    n = os.preadv(fd, (header, payload, tail), 0, _NOWAIT)
+                    # A short read stops at a page boundary: one ending there may be a longer
+                    # object whose next page is not cached (its length settles it).
+                    if n != size or (size % _PAGE == 0 and os.fstat(fd).st_size != size):
+                        break
+                except OSError as e:  # EAGAIN: not cached; anything else: the worker's read
+                    if e.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                        self._nowait = False  # this file system does not do it
+                    break
+                fds[done] = None
+                try:
+                    os.close(fd)
+                except OSError:  # (closed anyway) the worker reads it again, by its path
+                    break
+                if on_read is not None:
+                    on_read(done, n)
+                done += 1
+        finally:
+            rest = [(h, fd) for h, fd in zip(block_hashes[done:], fds[done:], strict=True)
+                    if fd is not None]
+            if rest:
+                self._hold(rest)
+        return done
 
     def write(self, block_hash: bytes, data: bytes) -> None:
         final = self.path(block_hash)
