@@ -412,7 +412,8 @@ def group_limits(spans: pd.DataFrame, requests: pd.DataFrame,
     """
     if not len(spans) or "kind" not in spans or not groups:
         return []
-    led = spans.loc[F.equals(spans["kind"], "ledger") & F.equals(spans["name"], "group_limited")]
+    led = F.rows(spans, F.equals(spans["kind"], "ledger")
+                 & F.equals(spans["name"], "group_limited"), ("layer", "tokens", "request_id"))
     if not len(led):
         return []
     first = {int(g["layers"][0]): g for g in groups if g["layers"]}

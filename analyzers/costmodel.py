@@ -146,17 +146,37 @@ def _step_rows(spans: pd.DataFrame | pa.Table
         names = spans.column_names
         if not spans.num_rows or not {"kind", "name", "step_id", "tokens"} <= set(names):
             return None
-        mask = pc.and_(pc.and_(pc.equal(spans["kind"], "step"),
-                               pc.is_in(spans["name"], pa.array(COMPUTE_PHASES))),
-                       pc.and_(pc.is_valid(spans["step_id"]), pc.is_valid(spans["tokens"])))
-        has_batch = "batch_requests" in names
-        st = spans.select(["step_id", "tokens", "start_ns", "end_ns",
-                           *(["batch_requests"] if has_batch else [])]).filter(mask)
-        if not st.num_rows:
+        mask = (_is_in(spans["kind"], ("step",)) & _is_in(spans["name"], COMPUTE_PHASES)
+                & _valid(spans["step_id"]) & _valid(spans["tokens"]))
+        if not mask.any():
             return None
+        has_batch = "batch_requests" in names
+        rows = np.flatnonzero(mask)
+        local: dict[tuple[int, ...], list[np.ndarray]] = {}  # chunk lengths → rows per chunk
 
         def num(c: str) -> np.ndarray:
-            return np.asarray(pc.fill_null(st[c], 0).to_numpy(), dtype=np.int64)
+            # Chunk by chunk (zero-copy views of those without nulls), the rows of `mask`
+            # taken as they are gathered: one copy of the rows kept, no Arrow filter.
+            col = spans[c]
+            chunks = col.chunks if isinstance(col, pa.ChunkedArray) else [col]
+            lens = tuple(len(ch) for ch in chunks)
+            if lens not in local:
+                bounds = np.searchsorted(rows, np.cumsum((0, *lens)))
+                offs = np.cumsum((0, *lens))
+                local[lens] = [rows[a:b] - o for a, b, o in
+                               zip(bounds[:-1], bounds[1:], offs[:-1], strict=True)]
+            out = np.empty(len(rows), dtype=np.int64)
+            at = 0
+            for ch, r in zip(chunks, local[lens], strict=True):
+                if ch.null_count:
+                    ch = pc.fill_null(ch, 0)
+                v = ch.to_numpy(zero_copy_only=False)
+                if v.dtype == np.int64:
+                    np.take(v, r, out=out[at:at + len(r)])
+                else:  # batch_requests: int32, widened
+                    out[at:at + len(r)] = v.take(r)
+                at += len(r)
+            return out
 
         return (num("step_id"), num("tokens"), num("batch_requests") if has_batch else None,
                 num("end_ns") - num("start_ns"))
@@ -172,6 +192,34 @@ def _step_rows(spans: pd.DataFrame | pa.Table
     return (F.ints(st["step_id"]), F.ints(st["tokens"], 0),
             F.ints(st["batch_requests"], 0) if "batch_requests" in st else None,
             F.ints(st["end_ns"], 0) - F.ints(st["start_ns"], 0))
+
+
+def _is_in(col: pa.ChunkedArray | pa.Array, values: tuple[str, ...]) -> np.ndarray:
+    """Boolean mask of the rows of a string column (plain or dictionary-encoded) holding one
+    of `values` (null rows: False). A dictionary chunk is matched on its dictionary and its
+    rows picked by their codes, never decoded."""
+    chunks = col.chunks if isinstance(col, pa.ChunkedArray) else [col]
+    out = []
+    for ch in chunks:
+        if pa.types.is_dictionary(ch.type):
+            hit = pc.fill_null(pc.is_in(ch.dictionary, value_set=pa.array(
+                values, ch.dictionary.type)), False).to_numpy(zero_copy_only=False)
+            codes = ch.indices
+            if codes.null_count:
+                hit = np.r_[hit, False]
+                codes = pc.fill_null(codes, len(hit) - 1)
+            out.append(hit[codes.to_numpy(zero_copy_only=False)])
+        else:
+            out.append(pc.fill_null(pc.is_in(ch, value_set=pa.array(values, ch.type)), False)
+                       .to_numpy(zero_copy_only=False))
+    return np.concatenate(out) if out else np.zeros(0, dtype=bool)
+
+
+def _valid(col: pa.ChunkedArray | pa.Array) -> np.ndarray | bool:
+    """The non-null rows of `col` (True for all when it has no nulls)."""
+    if not col.null_count:
+        return True
+    return pc.is_valid(col).to_numpy(zero_copy_only=False)
 
 
 #: Arrays at least this long get `_median`'s bracketed selection (shorter: np.median).
@@ -223,15 +271,20 @@ def _theil_sen(x: np.ndarray, y: np.ndarray, rng: np.random.Generator,
     else:
         i = rng.integers(0, n, _MAX_PAIRS)
         j = rng.integers(0, n, _MAX_PAIRS)
+    # `take` gathers what fancy indexing would (the same values), a third faster; the
+    # slopes are divided before the pairs with dx == 0 are dropped (the same division of the
+    # same values for every pair kept, one selection instead of two).
     if idx is not None:
-        i, j = idx[i], idx[j]
-    dx = x[j] - x[i]
+        i, j = idx.take(i), idx.take(j)
+    dx = x.take(j) - x.take(i)
     keep = dx != 0
     if not keep.any():
         return float("nan"), float("nan")
-    slope = _median((y[j] - y[i])[keep] / dx[keep])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        slopes = (y.take(j) - y.take(i)) / dx
+    slope = _median(slopes[keep])
     resid = y - slope * x
-    return slope, _median(resid if idx is None else resid[idx])
+    return slope, _median(resid if idx is None else resid.take(idx))
 
 
 def fit_step_cost(spans: pd.DataFrame | pa.Table, *, seed: int = 0,

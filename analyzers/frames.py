@@ -95,6 +95,13 @@ def request_index(span_ids: pd.Series, request_ids: pd.Series) -> np.ndarray:
     return pc.fill_null(idx, -1).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
 
 
+def rows(df: pd.DataFrame, mask: np.ndarray | pd.Series, columns: Sequence[str]
+         ) -> pd.DataFrame:
+    """``df.loc[mask]`` narrowed to those of `columns` it has: the same rows and values in
+    the columns a caller reads, without copying the others (a run's spans frame has 14)."""
+    return df.loc[mask, [c for c in columns if c in df.columns]]
+
+
 def require_columns(df: pd.DataFrame, columns: Sequence[str], table: str) -> None:
     """Raise `InputError` naming `table` when `df` lacks any of `columns`."""
     missing = [c for c in columns if c not in df.columns]

@@ -38,6 +38,12 @@ from analyzers.costmodel import StepCost, fit_step_cost
 from analyzers.diagnose import DiagnoseReport, diagnose_report, render_markdown, render_text
 from analyzers.diagnose.model import share
 from analyzers.render import Table, md_table, text_table
+from analyzers.report_read import (  # noqa: F401  (re-exported: what kvscope analyze reads)
+    REPORT_SPAN_COLUMNS,
+    STEP_SPAN_COLUMNS,
+    STEP_SPANS_APART,
+    read_report_store,
+)
 from analyzers.timebase import run_origin_ns
 from analyzers.ttft import PARTITION_SPAN_COLUMNS, partition, summarize, violations
 from analyzers.ttft_summary import TTFTSummary, records
@@ -49,17 +55,9 @@ from analyzers.vllm_side import vllm_side_of
 #: 2: "prefill" carries the fitted step cost model ("cost") instead of a measured rate
 #: ("rate"); "consistency" added; windows count from the run's start.
 REPORT_VERSION = 2
-#: The span columns the report reads (`kvscope analyze` projects its read to them): all but
-#: ``waits_on`` and ``clock``.
-REPORT_SPAN_COLUMNS: tuple[str, ...] = (
-    "request_id", "request_num", "kind", "name", "start_ns", "end_ns", "tier", "layer",
-    "tokens", "bytes", "step_id", "transfer_id", "batch_requests", "block")
 #: The rows `kvscope analyze` reads into its spans frame: every kind but the steps, which only
-#: the step cost model reads (`STEP_SPAN_COLUMNS` of them, read apart).
+#: the step cost model reads (`STEP_SPAN_COLUMNS` of them, read apart: `STEP_SPANS_APART`).
 REPORT_SPAN_FILTER = pc.field("kind") != "step"
-#: The step spans' columns the cost model and the run's end need.
-STEP_SPAN_COLUMNS: tuple[str, ...] = ("kind", "name", "start_ns", "end_ns", "tokens",
-                                      "step_id", "batch_requests")
 #: Version of the JSON comparison layout (`kvscope compare --format json`).
 COMPARE_VERSION = 1
 FORMATS = ("text", "markdown", "json")
@@ -114,36 +112,50 @@ def build_report(store: Any, *, diagnose: bool = True, by: str | None = None,
         diagnose: run `analyzers.diagnose` and append its findings.
         by: optional grouping of the TTFT table (tenant, workload_class, hit_class).
         window_ns: window length for percentiles over time.
-        steps: the run's step spans as an Arrow table (`STEP_SPAN_COLUMNS`, e.g. from
+        steps: the run's step spans as an Arrow table (`STEP_SPAN_COLUMNS`, string columns
+            plain or dictionary-encoded; e.g. ``store.apart["spans"]`` of
+            `read_report_store`, as `kvscope analyze` reads a run, or from
             ``agent.runstore.reader.read_table``) when `store` was read without them
-            (``filters={"spans": REPORT_SPAN_FILTER}``, as `kvscope analyze` reads a run).
+            (``filters={"spans": REPORT_SPAN_FILTER}``).
 
     Returns:
         a `Report`.
     """
-    req = store.requests
-    spans, step_source, spans_end = _spans_and_steps(store, steps)
     meta = store.meta
-    origin = run_origin_ns(meta, store)
-    groups = layer_groups_of(meta)
     # The step cost model's bootstrap is numpy work that needs nothing else: it runs in a
-    # second thread beside the analyzers that do not need it (same result, same seed).
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvscope-costmodel") as pool:
-        fitting = pool.submit(fit_step_cost, step_source)
+    # second thread beside the analyzers that do not need it (same result, same seed). With
+    # the step spans given apart (Arrow), it starts before any DataFrame is built. The
+    # consistency check, which nothing else reads, runs in a third beside the partition,
+    # the summaries and the diagnoses; its error, should it raise, is the one raised when
+    # the analyzers after it raise too (the order they ran in one after the other).
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvscope-report") as pool:
+        fitting = None if steps is None else pool.submit(fit_step_cost, steps)
+        req = store.requests
+        spans, step_source, spans_end = _spans_and_steps(store, steps)
+        if fitting is None:
+            fitting = pool.submit(fit_step_cost, step_source)
+        origin = run_origin_ns(meta, store)
+        groups = layer_groups_of(meta)
         part = partition(req, _partition_spans(store, req, spans))
-        consistency = check_consistency(req, spans, block_size=block_size_of(meta),
-                                        kv_bytes_per_block=kv_bytes_per_block_of(meta))
-        ttft = summarize(part, by=by, window_ns=window_ns, origin_ns=origin)
-        accounting = token_accounting(req)
-        layers = layer_table(store.layers, groups)
-        limits = group_limits(spans, req, groups)
-        cost = fitting.result()
-    diag = None
-    if diagnose:
-        diag = diagnose_report(req, spans, layers=store.layers, samples=store.samples,
-                               events=store.events, run_config=meta.get("config"), part=part,
-                               cost=cost, origin_ns=origin, run_path=str(store.path),
-                               spans_end_ns=spans_end)
+        checking = pool.submit(check_consistency, req, spans, block_size=block_size_of(meta),
+                               kv_bytes_per_block=kv_bytes_per_block_of(meta))
+        try:
+            ttft = summarize(part, by=by, window_ns=window_ns, origin_ns=origin)
+            accounting = token_accounting(req)
+            layers = layer_table(store.layers, groups)
+            limits = group_limits(spans, req, groups)
+            cost = fitting.result()
+            diag = None
+            if diagnose:
+                diag = diagnose_report(req, spans, layers=store.layers, samples=store.samples,
+                                       events=store.events, run_config=meta.get("config"),
+                                       part=part, cost=cost, origin_ns=origin,
+                                       run_path=str(store.path), spans_end_ns=spans_end)
+        except BaseException:
+            if checking.exception() is not None:
+                raise checking.exception() from None
+            raise
+        consistency = checking.result()
     writer = getattr(store, "writer", None)
     run = {
         "path": str(store.path),

@@ -34,6 +34,7 @@ class RunStore:
         parts: table name → part sequence numbers read.
         missing: the tables read whose rows run.json records but whose parts are all gone
             (each also has a note in `gaps`); `open_run` refuses those the caller requires.
+        apart: table name → the rows `open_run(apart=...)` read apart from it (Arrow).
     """
 
     path: Path
@@ -42,6 +43,7 @@ class RunStore:
     gaps: list[str] = field(default_factory=list)
     parts: dict[str, list[int]] = field(default_factory=dict)
     missing: list[str] = field(default_factory=list)
+    apart: dict[str, pa.Table] = field(default_factory=dict)
     _frames: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def frame(self, name: str) -> pd.DataFrame:
@@ -418,13 +420,15 @@ def _kind(t: pa.DataType) -> str:
 _ACCEPTS = {"float": ("float", "int")}
 
 
-def _conform(tbl: pa.Table, schema: pa.Schema, where: Path) -> pa.Table:
+def _conform(tbl: pa.Table, schema: pa.Schema, where: Path, *,
+             dictionary_strings: bool = False) -> pa.Table:
     """`tbl` in exactly `schema`, or InputError naming `where` and the column at fault.
 
     Other Arrow writers (DuckDB, Spark) may store a column as int32, large_string or a
     dictionary: those are cast (a value that does not fit is an error). A column of another
     family (a string where an integer is expected, a float for an integer) is rejected rather
-    than reinterpreted.
+    than reinterpreted. `dictionary_strings`: string columns become (or stay)
+    dictionary-encoded, ``dictionary<int32, string>``, and the table's schema says so.
     """
     have = set(tbl.column_names)
     missing = [f.name for f in schema if f.name not in have]
@@ -432,8 +436,18 @@ def _conform(tbl: pa.Table, schema: pa.Schema, where: Path) -> pa.Table:
         raise InputError(f"{where}: missing column(s) {', '.join(missing)}")
     tbl = tbl.select(schema.names)
     cols = []
+    fields = []
     for f in schema:
         col = tbl[f.name]
+        if dictionary_strings and pa.types.is_string(f.type) and _kind(col.type) == "string":
+            as_dict = pa.dictionary(pa.int32(), f.type)
+            if not pa.types.is_dictionary(col.type):
+                import pyarrow.compute as pc
+
+                col = pc.dictionary_encode(col.cast(f.type))
+            elif col.type != as_dict:
+                col = col.cast(as_dict)
+            f = f.with_type(as_dict)
         if col.type != f.type:
             want = _kind(f.type)
             if _kind(col.type) not in _ACCEPTS.get(want, (want,)):
@@ -450,6 +464,9 @@ def _conform(tbl: pa.Table, schema: pa.Schema, where: Path) -> pa.Table:
         if not f.nullable and col.null_count:
             raise InputError(f"{where}: column {f.name!r} has {col.null_count} null value(s)")
         cols.append(col)
+        fields.append(f)
+    if dictionary_strings:
+        schema = pa.schema(fields, metadata=schema.metadata)
     return pa.Table.from_arrays(cols, schema=schema)
 
 
@@ -457,6 +474,36 @@ def _empty(schema: pa.Schema) -> pa.Table:
     """A table of `schema` with no rows (`Schema.empty_table` imports pandas; this does not,
     so that reading a store never loads pandas unless a DataFrame is asked for)."""
     return pa.Table.from_batches([], schema=schema)
+
+
+def _projected_schema(name: str, columns: Sequence[str] | None) -> pa.Schema:
+    """Table `name`'s schema, narrowed to `columns` (in the schema's order) when given."""
+    schema = TABLES[name]
+    if columns is None:
+        return schema
+    unknown = [c for c in columns if c not in schema.names]
+    if unknown:
+        raise ValueError(f"{name}: unknown column(s) {unknown}; expected some of "
+                         f"{schema.names}")
+    wanted = set(columns)
+    return pa.schema([f for f in schema if f.name in wanted])
+
+
+def _parts(d: Path, name: str, gaps: list[str]) -> list[tuple[int, Path]]:
+    """The parts of table folder `d` in sequence order; missing sequence numbers noted in
+    `gaps`."""
+    parts = sorted((int(m.group(1)), p) for p in d.iterdir() if (m := PART_RE.match(p.name)))
+    seqs = [s for s, _ in parts]
+    if seqs:
+        expected = set(range(seqs[0], seqs[-1] + 1))
+        missing = sorted(expected - set(seqs))
+        if seqs[0] == 1:
+            gaps.append(f"{name}: part 00000 missing (rotated or deleted)")
+        elif seqs[0] > 1:
+            gaps.append(f"{name}: parts 00000-{seqs[0] - 1:05d} missing (rotated or deleted)")
+        if missing:
+            gaps.append(f"{name}: part(s) {', '.join(f'{m:05d}' for m in missing)} missing")
+    return parts
 
 
 def read_table(path: Path, name: str, gaps: list[str], version: int = SCHEMA_VERSION,
@@ -471,28 +518,12 @@ def read_table(path: Path, name: str, gaps: list[str], version: int = SCHEMA_VER
             (a `pyarrow.compute.Expression` or pyarrow's DNF list, as
             `pyarrow.parquet.read_table` takes it).
     """
-    schema = TABLES[name]
-    if columns is not None:
-        unknown = [c for c in columns if c not in schema.names]
-        if unknown:
-            raise ValueError(f"{name}: unknown column(s) {unknown}; expected some of "
-                             f"{schema.names}")
-        wanted = set(columns)
-        schema = pa.schema([f for f in schema if f.name in wanted])
+    schema = _projected_schema(name, columns)
     d = path / name
     if not d.is_dir():
         return _empty(schema), []
-    parts = sorted((int(m.group(1)), p) for p in d.iterdir() if (m := PART_RE.match(p.name)))
+    parts = _parts(d, name, gaps)
     seqs = [s for s, _ in parts]
-    if seqs:
-        expected = set(range(seqs[0], seqs[-1] + 1))
-        missing = sorted(expected - set(seqs))
-        if seqs[0] == 1:
-            gaps.append(f"{name}: part 00000 missing (rotated or deleted)")
-        elif seqs[0] > 1:
-            gaps.append(f"{name}: parts 00000-{seqs[0] - 1:05d} missing (rotated or deleted)")
-        if missing:
-            gaps.append(f"{name}: part(s) {', '.join(f'{m:05d}' for m in missing)} missing")
     tables = []
     for _, p in parts:
         try:
@@ -521,15 +552,153 @@ def _read_part(p: Path, name: str, schema: pa.Schema, version: int, row_filter: 
     dictionary-encoded, so that the filter runs on codes and only the rows kept are turned
     into strings (`_conform` casts them back: the result is the same)."""
     with pq.ParquetFile(p) as f:
-        have = set(f.schema_arrow.names)
-        want = [c for c in schema.names if c in have]
-        if version < 2 and name == "requests" and "lookup_tokens" in want \
-                and "prompt_tokens" in have:
-            want.append("prompt_tokens")  # a version-1 lookup_tokens is recomputed from it
+        want = _projection(schema.names, set(f.schema_arrow.names), name, version)
         if row_filter is None:  # columns only: the file read directly (see `_read_whole`)
             return f.read(columns=want, use_threads=False)
     strings = [c for c in want if pa.types.is_string(TABLES[name].field(c).type)]
     return pq.read_table(p, columns=want, filters=row_filter, read_dictionary=strings)
+
+
+#: Parts of at least this many rows are decoded with Arrow's thread pool (one column per
+#: thread); smaller ones on the calling thread, where the hand-off would cost more.
+THREADED_PART_ROWS = 65_536
+#: Parts `read_table_split` reads at the same time.
+SPLIT_READERS = 2
+
+
+def _projection(names: Sequence[str], have: set[str], name: str, version: int) -> list[str]:
+    """The columns of `names` a part holds, plus what `upgrade` needs to recompute them."""
+    want = [c for c in names if c in have]
+    if version < 2 and name == "requests" and "lookup_tokens" in want \
+            and "prompt_tokens" in have:
+        want.append("prompt_tokens")  # a version-1 lookup_tokens is recomputed from it
+    return want
+
+
+def _equal_masks(col: pa.ChunkedArray, value: str) -> tuple[pa.Array, pa.Array]:
+    """(rows equal to `value`, rows not equal to it) of a string column, null rows in
+    neither: the rows ``pc.field(c) == value`` and ``pc.field(c) != value`` keep. A
+    dictionary-encoded chunk is compared on its dictionary, its rows picked by their codes.
+
+    Built with numpy and Arrow buffers only: converting Python values to Arrow (`pa.array`,
+    `pa.scalar`) imports pandas, which a reading thread must not do while the main thread
+    imports it."""
+    import numpy as np
+
+    eq = []
+    valid = []
+    for ch in col.chunks:
+        ok = (np.ones(len(ch), dtype=bool) if not ch.null_count
+              else ch.is_valid().to_numpy(zero_copy_only=False))
+        if pa.types.is_dictionary(ch.type):
+            hit = np.array([v == value for v in ch.dictionary.to_pylist()] + [False])
+            codes = ch.indices
+            raw = np.frombuffer(codes.buffers()[1], dtype=f"<i{codes.type.bit_width // 8}",
+                                count=codes.offset + len(codes))[codes.offset:]
+            # null slots hold any value: they pick the trailing False
+            eq.append(hit[np.where(ok, raw, len(hit) - 1)])
+        else:  # not read dictionary-encoded (not a Parquet string column): rare
+            import pyarrow.compute as pc
+
+            eq.append(pc.fill_null(pc.equal(ch, value), False).to_numpy(zero_copy_only=False))
+        valid.append(ok)
+    is_value = np.concatenate(eq) if eq else np.zeros(0, dtype=bool)
+    ok_all = np.concatenate(valid) if valid else np.zeros(0, dtype=bool)
+    return _bool_array(is_value), _bool_array(ok_all & ~is_value)
+
+
+def _bool_array(mask: Any) -> pa.Array:
+    """A numpy bool array as an Arrow boolean array, from its packed bits (no pandas)."""
+    import numpy as np
+
+    bits = np.packbits(mask, bitorder="little")
+    return pa.Array.from_buffers(pa.bool_(), len(mask), [None, pa.py_buffer(bits)])
+
+
+def _read_split_part(p: Path, name: str, schema: pa.Schema, apart: pa.Schema, version: int,
+                     column: str, value: str) -> tuple[pa.Table, pa.Table] | None:
+    """One part read once, its column chunks decoded once (strings dictionary-encoded, as
+    Parquet stores them), and split: (rows whose `column` is not `value`, projected to
+    `schema`'s columns; rows where it is, projected to `apart`'s), each still to be upgraded
+    and conformed. None when the part lacks `column` (the caller reads it as before)."""
+    with pq.ParquetFile(p) as f:
+        have = set(f.schema_arrow.names)
+        if column not in have:
+            return None
+        keep = _projection(schema.names, have, name, version)
+        rest = _projection(apart.names, have, name, version)
+        wanted = {*keep, *rest, column}
+        want = [c for c in f.schema_arrow.names if c in wanted]
+        strings = [c for c in want if c in TABLES[name].names
+                   and pa.types.is_string(TABLES[name].field(c).type)]
+        with pq.ParquetFile(p, metadata=f.metadata, read_dictionary=strings) as g:
+            t = g.read(columns=want,
+                       use_threads=f.metadata.num_rows >= THREADED_PART_ROWS)
+    is_value, not_value = _equal_masks(t[column], value)
+    return t.select(keep).filter(not_value), t.select(rest).filter(is_value)
+
+
+def read_table_split(path: Path, name: str, gaps: list[str], version: int = SCHEMA_VERSION,
+                     meta: dict[str, Any] | None = None, *, columns: Sequence[str] | None,
+                     column: str, value: str, apart_columns: Sequence[str]
+                     ) -> tuple[pa.Table, pa.Table, list[int]]:
+    """Table `name` read once and split by the string `column`.
+
+    Returns ``(table, apart, seqs)``: `table` is what ``read_table(..., columns=columns,
+    row_filter=pc.field(column) != value)`` returns, and `apart` the rows
+    ``read_table(..., columns=apart_columns, row_filter=pc.field(column) == value)`` returns,
+    with its string columns dictionary-encoded (``dictionary<int32, string>``; the same
+    values), e.g. a run's spans without their step rows, and the step rows apart. Rows whose
+    `column` is null are in neither. Each part's columns are decoded once for both (a part
+    without `column` is read twice, as those two reads would), gaps are noted once.
+    """
+    schema = _projected_schema(name, columns)
+    apart_schema = _projected_schema(name, apart_columns)
+    if column not in TABLES[name].names or not pa.types.is_string(
+            TABLES[name].field(column).type):
+        raise ValueError(f"{name}: {column!r} is not one of its string columns")
+    d = path / name
+    if not d.is_dir():
+        return _empty(schema), _empty(_dictionary_schema(apart_schema)), []
+    parts = _parts(d, name, gaps)
+
+    def one(p: Path) -> tuple[pa.Table, pa.Table]:
+        try:
+            got = _read_split_part(p, name, schema, apart_schema, version, column, value)
+            if got is None:
+                import pyarrow.compute as pc
+
+                got = (_read_part(p, name, schema, version, pc.field(column) != value),
+                       _read_part(p, name, apart_schema, version, pc.field(column) == value))
+        except (pa.ArrowException, OSError) as exc:
+            raise InputError(f"{p}: unreadable Parquet part ({exc})") from None
+        return (_conform(upgrade(got[0], name, version, meta), schema, p),
+                _conform(upgrade(got[1], name, version, meta), apart_schema, p,
+                         dictionary_strings=True))
+
+    paths = [p for _, p in parts]
+    if len(paths) > 1:
+        # Two parts at a time: one part's split and checks (Arrow, numpy: the GIL released)
+        # run while the next one decodes. Results, and the first error, in part order.
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=SPLIT_READERS,
+                                thread_name_prefix="kvscope-part") as pool:
+            read = list(pool.map(one, paths))
+    else:
+        read = [one(p) for p in paths]
+    seqs = [s for s, _ in parts]
+    if not read:
+        return _empty(schema), _empty(_dictionary_schema(apart_schema)), seqs
+    return (pa.concat_tables([t for t, _ in read]), pa.concat_tables([a for _, a in read]),
+            seqs)
+
+
+def _dictionary_schema(schema: pa.Schema) -> pa.Schema:
+    """`schema` with its string columns as ``dictionary<int32, string>``."""
+    return pa.schema([f.with_type(pa.dictionary(pa.int32(), f.type))
+                      if pa.types.is_string(f.type) else f for f in schema],
+                     metadata=schema.metadata)
 
 
 #: The tables a reader of the whole run requires unless it says: the TTFT breakdown cannot
@@ -561,7 +730,8 @@ def _missing_table(path: Path, name: str, meta: dict[str, Any], seqs: list[int])
 def open_run(path: str | os.PathLike[str], tables: tuple[str, ...] | None = None, *,
              require: tuple[str, ...] | None = None,
              columns: Mapping[str, Sequence[str]] | None = None,
-             filters: Mapping[str, Any] | None = None) -> RunStore:
+             filters: Mapping[str, Any] | None = None,
+             apart: Mapping[str, tuple[str, str, Sequence[str]]] | None = None) -> RunStore:
     """Read a run directory: the one validation of run.json (`validate_meta`) and of the
     tables (schemas, gaps, missing tables) that every command reading a run shares. Raises
     `InputError` naming the file at fault.
@@ -583,17 +753,26 @@ def open_run(path: str | os.PathLike[str], tables: tuple[str, ...] | None = None
             DNF list such as ``[("kind", "in", ["state", "activity"])]``); only the rows it
             holds for are read. Gaps and missing tables are judged on the parts, not the
             rows kept. Default: every row.
+        apart: table → ``(column, value, columns)``: the rows whose string `column` equals
+            `value` are read apart, in those `columns`, into ``RunStore.apart[table]`` (string
+            columns dictionary-encoded), and the table holds the others, as
+            ``filters={table: pc.field(column) != value}`` would give them; each part is
+            decoded once for both (`read_table_split`). E.g. a run's step spans, which only
+            the step cost model reads, in its few columns. Not with a filter on that table.
     """
     if tables is not None:
         unknown = [t for t in tables if t not in TABLES]
         if unknown:
             raise ValueError(f"unknown run-store table(s) {unknown}; expected some of "
                              f"{list(TABLES)}")
-    for what, given in (("columns", columns), ("filters", filters)):
+    for what, given in (("columns", columns), ("filters", filters), ("apart", apart)):
         unknown = [t for t in (given or {}) if t not in TABLES]
         if unknown:
             raise ValueError(f"{what}: unknown run-store table(s) {unknown}; expected some of "
                              f"{list(TABLES)}")
+    both = sorted(set(filters or {}) & set(apart or {}))
+    if both:
+        raise ValueError(f"apart: table(s) {both} also given a filter")
     if require is None:
         require = tables if tables is not None else DEFAULT_REQUIRED
     p = Path(path)
@@ -602,14 +781,21 @@ def open_run(path: str | os.PathLike[str], tables: tuple[str, ...] | None = None
     out: dict[str, pa.Table] = {}
     seqs: dict[str, list[int]] = {}
     missing: dict[str, str] = {}  # table → why
+    aside: dict[str, pa.Table] = {}
     for name, schema in TABLES.items():
         if tables is not None and name not in tables:
             out[name] = _empty(schema)
             continue
-        out[name], seqs[name] = read_table(
-            p, name, gaps, meta["schema_version"], meta,
-            columns=None if columns is None else columns.get(name),
-            row_filter=None if filters is None else filters.get(name))
+        cols = None if columns is None else columns.get(name)
+        if apart is not None and name in apart:
+            column, value, apart_columns = apart[name]
+            out[name], aside[name], seqs[name] = read_table_split(
+                p, name, gaps, meta["schema_version"], meta, columns=cols, column=column,
+                value=value, apart_columns=apart_columns)
+        else:
+            out[name], seqs[name] = read_table(
+                p, name, gaps, meta["schema_version"], meta, columns=cols,
+                row_filter=None if filters is None else filters.get(name))
         why = _missing_table(p, name, meta, seqs[name])
         if why is not None:
             missing[name] = why
@@ -621,4 +807,5 @@ def open_run(path: str | os.PathLike[str], tables: tuple[str, ...] | None = None
         if name in require and (name == "requests" or not no_requests):
             raise InputError(f"{p / name}: {why.split(': ', 1)[1]}; this command needs the "
                              f"{name} table")
-    return RunStore(path=p, meta=meta, tables=out, gaps=gaps, parts=seqs, missing=list(missing))
+    return RunStore(path=p, meta=meta, tables=out, gaps=gaps, parts=seqs, missing=list(missing),
+                    apart=aside)

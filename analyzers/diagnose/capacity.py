@@ -301,8 +301,11 @@ def cache_thrash(ctx: Context) -> Finding | NotEvaluated | None:
     sp = ctx.spans
     if not len(sp) or "kind" not in sp:
         return NotEvaluated(rule, "no spans in this source")
-    led = sp.loc[F.equals(sp["kind"], "ledger") & F.equals(sp["name"], "evicted_again")]
-    if not F.equals(sp["kind"], "ledger").any():
+    # Only the columns read below are taken (the spans frame is most of a run's data).
+    is_ledger = F.equals(sp["kind"], "ledger")
+    led = F.rows(sp, is_ledger & F.equals(sp["name"], "evicted_again"),
+                 ("tokens", "tier", "request_id"))
+    if not is_ledger.any():
         return NotEvaluated(rule, "no ledger rows: the run does not record evicted blocks "
                                   "needed again (kvscope's engine does from schema 2 on)")
     cfg = ctx.config
@@ -313,7 +316,7 @@ def cache_thrash(ctx: Context) -> Finding | NotEvaluated | None:
     # Every prompt token computed (the evicted blocks computed again are among them).
     computed = int((ctx.tokens("recomputed_tokens") + ctx.tokens("preempted_tokens"))[known]
                    .sum())
-    rel = sp.loc[F.equals(sp["kind"], "ledger") & F.equals(sp["name"], "evicted_reloaded")]
+    rel = F.rows(sp, is_ledger & F.equals(sp["name"], "evicted_reloaded"), ("tokens",))
     reloaded = int(F.ints(rel["tokens"], 0).sum())
     if not len(led) or not computed:
         return None

@@ -74,7 +74,8 @@ def h2d_bandwidth_low(ctx: Context) -> Finding | NotEvaluated | None:
     cfg = ctx.config
     spans = ctx.spans
     how: str
-    act = spans.loc[(spans["kind"] == "activity") & (spans["name"] == "h2d")] \
+    act = F.rows(spans, (spans["kind"] == "activity") & (spans["name"] == "h2d"),
+                 ("bytes", "start_ns", "end_ns")) \
         if len(spans) and "bytes" in spans else spans.iloc[:0]
     nbytes_col = F.ints(act["bytes"], 0) if len(act) else np.zeros(0, np.int64)
     with_bytes = nbytes_col > 0
@@ -153,7 +154,8 @@ def h2d_bandwidth_low(ctx: Context) -> Finding | NotEvaluated | None:
 
 def _read_windows(spans: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     """Remote-read time as sorted, disjoint [start, end) intervals (a merged union)."""
-    sel = spans.loc[spans["name"].isin(REMOTE_READ_SPANS)] if len(spans) else spans
+    sel = F.rows(spans, spans["name"].isin(REMOTE_READ_SPANS), ("start_ns", "end_ns")) \
+        if len(spans) else spans
     if not len(sel):
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     return merge_intervals(F.ints(sel["start_ns"], 0), F.ints(sel["end_ns"], 0))

@@ -242,7 +242,9 @@ def load_serialisation(ctx: Context) -> Finding | NotEvaluated | None:
     if not len(sp) or "kind" not in sp:
         return NotEvaluated(rule, "no spans in this source")
     cfg = ctx.config
-    waits = sp.loc[F.equals(sp["kind"], "state") & F.equals(sp["name"], "remote_read")]
+    is_remote_read = F.equals(sp["name"], "remote_read")
+    waits = F.rows(sp, F.equals(sp["kind"], "state") & is_remote_read,
+                   ("start_ns", "end_ns", "request_id"))
     if len(waits) < cfg.serial_min_loads:
         return NotEvaluated(rule, f"{len(waits)} request(s) waited on a remote read; "
                                   f"{cfg.serial_min_loads} needed")
@@ -255,7 +257,7 @@ def load_serialisation(ctx: Context) -> Finding | NotEvaluated | None:
     if len(np.unique(waiting)) < 3:
         return None
     slope, rho = _slope_and_rank_corr(waiting, d)
-    reads = sp.loc[F.equals(sp["kind"], "activity") & F.equals(sp["name"], "remote_read")]
+    reads = F.rows(sp, F.equals(sp["kind"], "activity") & is_remote_read, ("start_ns", "end_ns"))
     if len(reads):
         # A read's own service time is at most its duration (what queued ahead of it inside
         # the store, or in the prefetch workers, only adds): the fastest read bounds it, and
