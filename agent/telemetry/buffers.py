@@ -15,7 +15,6 @@ from collections import deque
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 
 
 class Segment:
@@ -56,11 +55,19 @@ class Segment:
             return rows[lo:hi, i]
         return np.frombuffer(self.cols[i], dtype=np.int64, count=hi - lo, offset=8 * lo)
 
+    def rows(self, lo: int, hi: int) -> np.ndarray:
+        """Rows [lo, hi) as a (rows, columns) int64 matrix (a zero-copy view when
+        row-major)."""
+        if self.buf is not None:
+            m = np.frombuffer(self.buf, dtype=np.int64).reshape(self.cap, len(self.names))
+            return m[lo:hi]
+        return np.stack([self.view(i, lo, hi) for i in range(len(self.names))], axis=1)
+
 
 class RowBlock:
     """Rows recorded by threads other than a table's writer, packed column-major at drain time.
 
-    Duck-types the part of `Segment` that drained chunks use (`view`, `waits`).
+    Duck-types the part of `Segment` that drained chunks use (`view`, `rows`, `waits`).
     """
 
     __slots__ = ("cols", "waits")
@@ -74,6 +81,9 @@ class RowBlock:
 
     def view(self, i: int, lo: int, hi: int) -> np.ndarray:
         return self.cols[i, lo:hi]
+
+    def rows(self, lo: int, hi: int) -> np.ndarray:
+        return self.cols[:, lo:hi].T
 
 
 #: A drained slice of a segment (or of a block of foreign rows): rows [lo, hi).
@@ -153,14 +163,6 @@ def pop_all(dq: deque[Any]) -> list[Any]:
     return [dq.popleft() for _ in range(len(dq))]
 
 
-def concat_column(chunks: list[Chunk], i: int) -> np.ndarray:
-    """One column across chunks (zero-copy when there is exactly one chunk)."""
-    if len(chunks) == 1:
-        seg, lo, hi = chunks[0]
-        return seg.view(i, lo, hi)
-    return np.concatenate([seg.view(i, lo, hi) for seg, lo, hi in chunks])
-
-
 def chunk_waits(chunks: list[Chunk]) -> list[tuple[int, ...] | None] | None:
     """The sparse `waits` entries of the chunks' rows, in row order (None if there are none)."""
     if not any(seg.waits for seg, _, _ in chunks):
@@ -177,25 +179,3 @@ def chunk_waits(chunks: list[Chunk]) -> list[tuple[int, ...] | None] | None:
                     part[i - lo] = w
         out += part
     return out
-
-
-def int_array(values: np.ndarray, null_below: int | None = None, type_: pa.DataType = pa.int64()
-              ) -> pa.Array:
-    """An Arrow integer array over `values`; entries < `null_below` become null."""
-    if null_below is None:
-        return pa.array(values, type=type_)
-    mask = values < null_below
-    if not mask.any():
-        return pa.array(values, type=type_)
-    return pa.array(values, type=type_, mask=mask)
-
-
-def coded_strings(codes: np.ndarray, vocabulary: list[str], null_code: int | None = -1
-                  ) -> pa.Array:
-    """Decode small integer codes through a vocabulary into a plain Arrow string array."""
-    idx = codes.astype(np.int32, copy=False)
-    mask = idx == null_code if null_code is not None else None
-    has_nulls = mask is not None and bool(mask.any())
-    indices = pa.array(idx, mask=mask) if has_nulls else pa.array(idx)
-    dictionary = pa.array(vocabulary, type=pa.string())
-    return pa.DictionaryArray.from_arrays(indices, dictionary).cast(pa.string())

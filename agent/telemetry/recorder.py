@@ -286,20 +286,12 @@ class Recorder(RequestStates, OtherRecords):
             ids: Any = _Ids(self._ids, late) if late else self._ids
             names = list(self._name_list)  # after take(): holds every code the rows use
             off = self.anchor.offset_ns
-            parts: list[pa.Table | None] = []
-            if state:
-                parts.append(self._build("spans", _rows(state), tables.state_table, state, ids,
-                                         off))
-            if act:
-                parts.append(self._build("spans", _rows(act), tables.activity_table, act, ids,
-                                         names, off))
-            if step or steps:
-                parts.append(self._build("spans", _rows(step) + _rows(steps) * 4,
-                                         tables.step_table, step, names, off, steps))
-            spans = [p for p in parts if p is not None]
             out: dict[str, pa.Table | None] = {}
-            if spans:
-                out["spans"] = spans[0] if len(spans) == 1 else pa.concat_tables(spans)
+            if state or act or step or steps:
+                # One table for the three span buffers (a drain's cost is its Arrow calls).
+                out["spans"] = self._build(
+                    "spans", _rows(state) + _rows(act) + _rows(step) + _rows(steps) * 4,
+                    tables.spans_table, state, act, step, steps, ids, names, off)
             if layers:
                 out["layers"] = self._build("layers", _rows(layers), tables.layers_table, layers,
                                             ids)

@@ -1,15 +1,18 @@
 """Drained recorder segments → Arrow tables of the run-store schemas (epoch ns).
 
 Integer columns are handed over zero-copy where they need no conversion; small integer codes
-become strings through their vocabulary (dictionary decode in C++).
+become strings through their vocabulary (one `take` in C++ for every string column of a
+table).
 """
 
 from __future__ import annotations
 
 import json
 import operator
+from array import array
 from collections.abc import Sequence
-from itertools import repeat
+from functools import lru_cache
+from itertools import chain, repeat
 from typing import Any, Protocol
 
 import numpy as np
@@ -26,10 +29,7 @@ from agent.schema import (
     STATES,
     TIERS,
 )
-from agent.telemetry.buffers import Chunk, chunk_waits, coded_strings, concat_column, int_array
-
-#: Activity-buffer kind codes (agent.telemetry.codes.KIND_*) → span kind.
-_ACTIVITY_KINDS = ("activity", "ledger")
+from agent.telemetry.buffers import Chunk, chunk_waits
 
 LAYER_COLS = ("request_num", "layer", "hit_tokens", "loaded_tokens", "recomputed_tokens",
               "prompt_tokens", "load_ns", "wait_ns", "skipped_tokens")
@@ -41,63 +41,170 @@ class IdLookup(Protocol):
     def get(self, rn: int, /) -> str | None: ...
 
 
+# The drain runs a few times a second on a drained batch of a few hundred rows, so its cost is
+# the number of Arrow and numpy calls, not the rows: integer columns are made from whole numpy
+# buffers (`pa.Array.from_buffers`, no per-row Python), the string columns of a table come from
+# one `take` over one vocabulary, and the spans of the three buffers are one table.
+
+_I64 = pa.int64()
+_I32 = pa.int32()
+_STR = pa.string()
+_F64 = pa.float64()
+_LIST_I64 = pa.list_(_I64)
+
+
+def _decode(codes: np.ndarray, vocab: pa.Array) -> pa.Array:
+    """Codes into the string array `vocab` (-1: null) → a plain Arrow string array."""
+    return _strings(codes.reshape(1, -1), [0], vocab)[0]
+
+
+def _strings(codes: np.ndarray, bases: Sequence[int], vocab: pa.Array) -> list[pa.Array]:
+    """String columns from rows of codes, gathered at once (one `take`, in C++): row j of
+    `codes` (k × n) holds codes into `vocab` from `bases[j]` on (-1: null). The columns are
+    slices of one array."""
+    k, n = codes.shape
+    valid = codes >= 0
+    g = np.where(valid, codes + np.asarray(bases, dtype=np.int64)[:, None], 0).ravel()
+    (bitmap,), (nulls,) = _bitmaps(valid.reshape(1, -1))
+    idx = pa.Array.from_buffers(_I64, k * n, [bitmap, pa.py_buffer(g)], null_count=nulls)
+    out = vocab.take(idx)
+    return [out] if k == 1 else [out.slice(j * n, n) for j in range(k)]
+
+
+def _bitmaps(valid: np.ndarray) -> tuple[list[pa.Buffer | None], list[int]]:
+    """Per row of a (k × n) bool mask: its validity bitmap (None when nothing is null) and
+    null count."""
+    n = valid.shape[1]
+    nulls = (n - valid.sum(axis=1)).tolist()
+    if not any(nulls):
+        return [None] * len(nulls), nulls
+    bits = np.packbits(valid, axis=1, bitorder="little")
+    return [pa.py_buffer(bits[j]) if nulls[j] else None for j in range(len(nulls))], nulls
+
+
+def _ints(type_: pa.DataType, values: np.ndarray, valid: np.ndarray | None = None
+          ) -> list[pa.Array]:
+    """Integer columns over the rows of a C-contiguous (k × n) matrix of `type_`'s width
+    (zero-copy); entries where `valid` (k × n) is False are null."""
+    k, n = values.shape
+    if valid is None:
+        return [pa.Array.from_buffers(type_, n, [None, pa.py_buffer(values[j])], null_count=0)
+                for j in range(k)]
+    bitmaps, nulls = _bitmaps(valid)
+    return [pa.Array.from_buffers(type_, n, [bitmaps[j], pa.py_buffer(values[j])],
+                                  null_count=nulls[j]) for j in range(k)]
+
+
+def _request_words(nums: np.ndarray, ids: IdLookup) -> tuple[np.ndarray, list[str]]:
+    """Codes of every row's request_id into a list of this drain's ids (-1: a negative or
+    unknown number), one lookup per distinct number (no Python object per row)."""
+    uniq, inverse = np.unique(nums, return_inverse=True)
+    words: list[str] = []
+    remap = np.empty(len(uniq), dtype=np.int64)
+    for j, u in enumerate(uniq.tolist()):
+        rid = ids.get(u) if u >= 0 else None
+        if rid is None:
+            remap[j] = -1
+        else:
+            remap[j] = len(words)
+            words.append(rid)
+    return remap[inverse.reshape(-1)], words
+
+
 def request_ids(nums: np.ndarray, ids: IdLookup) -> pa.Array:
     """The request_id of every row (null for negative or unknown numbers), one lookup per
     distinct number."""
-    uniq, inverse = np.unique(nums, return_inverse=True)
-    vocab = [ids.get(int(u)) if u >= 0 else None for u in uniq]
-    return pa.array(vocab, type=pa.string()).take(pa.array(inverse.astype(np.int64)))
+    codes, words = _request_words(nums, ids)
+    return _decode(codes, pa.array(words, _STR))
 
 
-def state_table(segs: list[Chunk], ids: IdLookup, off: int) -> pa.Table:
-    rn = concat_column(segs, 0)
-    n = len(rn)
-    waits = chunk_waits(segs)
-    cols = {
-        "request_id": request_ids(rn, ids),
-        "request_num": pa.array(rn),
-        "kind": pa.repeat(pa.scalar("state"), n),
-        "name": coded_strings(concat_column(segs, 1), list(STATES)),
-        "start_ns": pa.array(concat_column(segs, 2) + off),
-        "end_ns": pa.array(concat_column(segs, 3) + off),
-        "tier": pa.nulls(n, pa.string()),
-        "layer": pa.nulls(n, pa.int32()),
-        "tokens": pa.nulls(n, pa.int64()),
-        "bytes": pa.nulls(n, pa.int64()),
-        "step_id": pa.nulls(n, pa.int64()),
-        "transfer_id": pa.nulls(n, pa.int64()),
-        "waits_on": pa.nulls(n, pa.list_(pa.int64())) if waits is None
-        else pa.array(waits, pa.list_(pa.int64())),
-        "clock": pa.repeat(pa.scalar(CLOCKS[0]), n),
-        "batch_requests": pa.nulls(n, pa.int32()),
-        "block": pa.nulls(n, pa.int32()),
-    }
-    return pa.table(cols, schema=SPANS_SCHEMA)
+def _block(chunks: list[Chunk], ncols: int) -> np.ndarray:
+    """The chunks' rows as one (rows, ncols) int64 matrix (a view for one row-major chunk)."""
+    parts = [seg.rows(lo, hi) for seg, lo, hi in chunks]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-def activity_table(segs: list[Chunk], ids: IdLookup, names: list[str],
-                    off: int) -> pa.Table:
-    rn = concat_column(segs, 0)
-    n = len(rn)
-    cols = {
-        "request_id": request_ids(rn, ids),
-        "request_num": int_array(rn, 0),
-        "kind": coded_strings(concat_column(segs, 10), list(_ACTIVITY_KINDS)),
-        "name": coded_strings(concat_column(segs, 1), names),
-        "start_ns": pa.array(concat_column(segs, 2) + off),
-        "end_ns": pa.array(concat_column(segs, 3) + off),
-        "tier": coded_strings(concat_column(segs, 4), list(TIERS)),
-        "layer": int_array(concat_column(segs, 5), 0, pa.int32()),
-        "tokens": int_array(concat_column(segs, 6), 0),
-        "bytes": int_array(concat_column(segs, 7), 0),
-        "step_id": pa.nulls(n, pa.int64()),
-        "transfer_id": int_array(concat_column(segs, 8), 0),
-        "waits_on": pa.nulls(n, pa.list_(pa.int64())),
-        "clock": coded_strings(concat_column(segs, 9), list(CLOCKS)),
-        "batch_requests": pa.nulls(n, pa.int32()),
-        "block": int_array(concat_column(segs, 11), 0, pa.int32()),
-    }
-    return pa.table(cols, schema=SPANS_SCHEMA)
+#: The spans table's integer and code columns, in the drain's working matrix.
+_RN, _KIND, _NAME, _START, _END, _TIER, _LAYER, _TOKENS, _BYTES, _STEP, _TRANSFER, _CLOCK, \
+    _BATCH, _BLOCKCOL = range(14)
+#: `kind` codes of the working matrix: state rows, activity buffer kinds (KIND_* + 1), steps.
+_SPAN_KINDS = ("state", "activity", "ledger", "step")
+#: Where an activity-buffer row's columns go (its column order: `Recorder._act`).
+_ACT_TO = [_RN, _NAME, _START, _END, _TIER, _LAYER, _TOKENS, _BYTES, _TRANSFER, _CLOCK, _KIND,
+           _BLOCKCOL]
+#: Where a step span's columns go (step_id, name, start, end, batch, tokens, clock).
+_STEP_TO = [_STEP, _NAME, _START, _END, _BATCH, _TOKENS, _CLOCK]
+
+
+def spans_table(state: list[Chunk], act: list[Chunk], step: list[Chunk], steps: list[Chunk],
+                ids: IdLookup, names: list[str], off: int) -> pa.Table:
+    """The spans of one drain, in this order: request states (`state`), activity and ledger
+    rows (`act`), then step spans: those of `engine_step` rows (`steps`, each expanded to its
+    phases in `_STEP_ORDER`), then those recorded one by one (`step`)."""
+    srows = _block(state, 4) if state else None
+    arows = _block(act, len(_ACT_TO)) if act else None
+    trows = _step_rows(steps, names) if steps else None
+    if step:
+        legacy = _block(step, len(_STEP_TO))
+        trows = legacy if trows is None else np.concatenate([trows, legacy])
+    ns = 0 if srows is None else len(srows)
+    na = 0 if arows is None else len(arows)
+    n = ns + na + (0 if trows is None else len(trows))
+    cols = np.full((14, n), -1, dtype=np.int64)  # one row per column (column-major)
+    if srows is not None:
+        part = cols[:, :ns]
+        part[_RN] = srows[:, 0]
+        # State codes are STATES' indices; the names vocabulary starts with them.
+        part[_NAME] = np.array([names.index(s) for s in STATES], dtype=np.int64)[srows[:, 1]]
+        part[_START:_END + 1] = srows[:, 2:4].T
+        part[_KIND] = 0
+        part[_CLOCK] = 0  # CLOCKS[0], "cpu"
+    if arows is not None:
+        part = cols[:, ns:ns + na]
+        part[_ACT_TO] = arows.T
+        part[_KIND] += 1
+    if trows is not None:
+        part = cols[:, ns + na:]
+        part[_STEP_TO] = trows.T
+        part[_KIND] = 3
+    cols[_START:_END + 1] += off
+    # The string columns, gathered at once from one vocabulary: request ids, kinds, span
+    # names, tiers, clocks.
+    rid, rid_words = _request_words(cols[_RN], ids)
+    fixed = _fixed_words(tuple(names))
+    vocab = pa.array([*fixed, *rid_words], _STR)  # not valid UTF-8: raises, as before
+    request_id, kind, name, tier, clock = _strings(
+        np.stack([rid, cols[_KIND], cols[_NAME], cols[_TIER], cols[_CLOCK]]),
+        [len(fixed), 0, len(_SPAN_KINDS), len(_SPAN_KINDS) + len(names),
+         len(_SPAN_KINDS) + len(names) + len(TIERS)], vocab)
+    valid = cols >= 0  # -1 (any negative) is null in every nullable column but step_id
+    valid[_STEP, :ns + na] = False
+    valid[_STEP, ns + na:] = True
+    valid[_START:_END + 1] = True  # never null
+    bitmaps, nulls = _bitmaps(valid)
+
+    def ints(type_: pa.DataType, values: np.ndarray, j: int) -> pa.Array:
+        return pa.Array.from_buffers(type_, n, [bitmaps[j], pa.py_buffer(values)],
+                                     null_count=nulls[j])
+
+    rn, tokens, nbytes, step_id, transfer, start, end = (
+        ints(_I64, cols[j], j) for j in (_RN, _TOKENS, _BYTES, _STEP, _TRANSFER, _START, _END))
+    i32 = cols[[_LAYER, _BATCH, _BLOCKCOL]].astype(np.int32)
+    layer, batch, block = (ints(_I32, i32[i], j)
+                           for i, j in enumerate((_LAYER, _BATCH, _BLOCKCOL)))
+    waits = chunk_waits(state) if state else None
+    return pa.Table.from_arrays([
+        request_id, rn, kind, name, start, end, tier, layer, tokens, nbytes, step_id, transfer,
+        pa.nulls(n, _LIST_I64) if waits is None
+        else pa.array(waits + [None] * (n - ns), _LIST_I64),
+        clock, batch, block], schema=SPANS_SCHEMA)
+
+
+@lru_cache(maxsize=64)
+def _fixed_words(names: tuple[str, ...]) -> tuple[str, ...]:
+    """The spans' fixed words as `spans_table`'s vocabulary starts: kinds, span names, tiers,
+    clocks."""
+    return (*_SPAN_KINDS, *names, *TIERS, *CLOCKS)
 
 
 #: The packed row of one engine step (`Recorder.engine_step`): its phase times, the forward's
@@ -105,83 +212,74 @@ def activity_table(segs: list[Chunk], ids: IdLookup, names: list[str],
 ENGINE_STEP_COLS = ("step_id", "t0", "t1", "t2", "t3", "t4", "forward_start", "forward_end",
                     "batch_requests", "tokens", "device_in_use", "device_cached_free",
                     "device_empty", "host_in_use", "host_cached_free", "host_empty")
-#: Phases of an engine step's spans, in the order they are recorded.
+#: Phases of an engine step's spans, in the order they are recorded, with the packed row's
+#: columns of their start and end.
 _STEP_ORDER = ("schedule", "prepare", "sample", "forward")
+_PHASE_START = [1, 2, 4, 6]
+_PHASE_END = [2, 3, 5, 7]
 
 
-def _expand(per_step: list[np.ndarray], keep: np.ndarray | None) -> np.ndarray:
-    """Row-wise interleave of per-step columns (step 0's values, then step 1's, ...), keeping
-    the entries `keep` (n × len(per_step)) marks."""
-    m = np.stack(per_step, axis=1)
-    return m.ravel() if keep is None else m[keep]
-
-
-def step_table(segs: list[Chunk], names: list[str], off: int, steps: list[Chunk] | None = None
-               ) -> pa.Table:
-    """Step spans: those of `engine_step` rows (`steps`, each expanded to its phases in
-    `_STEP_ORDER`), then those recorded one by one (`segs`)."""
-    cols = [np.empty(0, np.int64) for _ in range(7)]  # step_id, name, start, end, batch, tok, clock
-    if steps:
-        c = [concat_column(steps, j) for j in range(10)]
-        n = len(c[0])
-        has_fwd = (c[6] != -1) | (c[7] != -1)
-        keep = None
-        if not has_fwd.all():
-            keep = np.ones((n, 4), dtype=bool)
-            keep[:, 3] = has_fwd
-        per = 4 if keep is None else keep.sum(axis=1)
-        codes = np.array([names.index(p) for p in _STEP_ORDER], dtype=np.int64)
-        cols = [np.repeat(c[0], per), _expand([np.broadcast_to(x, n) for x in codes], keep),
-                _expand([c[1], c[2], c[4], c[6]], keep), _expand([c[2], c[3], c[5], c[7]], keep),
-                np.repeat(c[8], per), np.repeat(c[9], per),
-                np.zeros(n * 4 if keep is None else int(keep.sum()), dtype=np.int64)]
-    if segs:
-        legacy = [concat_column(segs, j) for j in range(7)]
-        cols = legacy if not steps else [np.concatenate(p) for p in zip(cols, legacy,
-                                                                         strict=True)]
-    step, name, start, end, batch, tokens, clock = cols
-    n = len(step)
-    table = {
-        "request_id": pa.nulls(n, pa.string()),
-        "request_num": pa.nulls(n, pa.int64()),
-        "kind": pa.repeat(pa.scalar("step"), n),
-        "name": coded_strings(name, names),
-        "start_ns": pa.array(start + off),
-        "end_ns": pa.array(end + off),
-        "tier": pa.nulls(n, pa.string()),
-        "layer": pa.nulls(n, pa.int32()),
-        "tokens": int_array(tokens, 0),
-        "bytes": pa.nulls(n, pa.int64()),
-        "step_id": pa.array(step),
-        "transfer_id": pa.nulls(n, pa.int64()),
-        "waits_on": pa.nulls(n, pa.list_(pa.int64())),
-        "clock": coded_strings(clock, list(CLOCKS)),
-        "batch_requests": int_array(batch, 0, pa.int32()),
-        "block": pa.nulls(n, pa.int32()),
-    }
-    return pa.table(table, schema=SPANS_SCHEMA)
+def _step_rows(steps: list[Chunk], names: list[str]) -> np.ndarray:
+    """`engine_step` rows expanded to their step spans: (rows, 7) as `_STEP_TO` orders them,
+    step by step, phases in `_STEP_ORDER`, the forward only where the step has one."""
+    e = _block(steps, len(ENGINE_STEP_COLS))
+    n = len(e)
+    x = np.empty((n, 4, 7), dtype=np.int64)
+    x[:, :, 0] = e[:, 0:1]
+    x[:, :, 1] = [names.index(p) for p in _STEP_ORDER]
+    x[:, :, 2] = e[:, _PHASE_START]
+    x[:, :, 3] = e[:, _PHASE_END]
+    x[:, :, 4] = e[:, 8:9]
+    x[:, :, 5] = e[:, 9:10]
+    x[:, :, 6] = 0  # CLOCK_CPU: resolved already
+    has_fwd = (e[:, 6] != -1) | (e[:, 7] != -1)
+    if has_fwd.all():
+        return x.reshape(n * 4, 7)
+    keep = np.ones((n, 4), dtype=bool)
+    keep[:, 3] = has_fwd
+    return x[keep]
 
 
 def layers_table(segs: list[Chunk], ids: IdLookup) -> pa.Table:
-    rn = concat_column(segs, 0)
-    cols: dict[str, pa.Array] = {"request_id": request_ids(rn, ids)}
-    cols["layer"] = pa.array(concat_column(segs, 1).astype(np.int32))
-    for j, name in enumerate(LAYER_COLS[2:], start=2):
-        cols[name] = pa.array(concat_column(segs, j))
-    return pa.table(cols, schema=LAYERS_SCHEMA)
+    cols = np.ascontiguousarray(_block(segs, len(LAYER_COLS)).T)
+    return pa.Table.from_arrays(
+        [request_ids(cols[0], ids), *_ints(_I32, cols[1:2].astype(np.int32)),
+         *_ints(_I64, cols[2:])], schema=LAYERS_SCHEMA)
+
+
+#: The requests table's columns before the accounting columns (`request_end`'s row: id, num,
+#: tenant, class, arrival, first token, finish, status, the accounting, digest, output ids).
+_REQ_HEAD = 8
+_REQ_STRINGS = (0, 2, 3, 7)  # then the digest, after the accounting columns
 
 
 def requests_table(rows: list[tuple[Any, ...]], off: int) -> pa.Table:
-    cols = list(zip(*rows, strict=True))
-    data: dict[str, Any] = {}
-    for i, f in enumerate(REQUESTS_SCHEMA):
-        v = list(cols[i])
-        if f.name in ("arrival_ns", "first_token_ns", "finish_ns"):
-            v = [None if x is None else x + off for x in v]
-        elif f.name == "output_token_ids":
-            v = [None if x is None else x.tolist() for x in v]
-        data[f.name] = pa.array(v, f.type)
-    return pa.table(data, schema=REQUESTS_SCHEMA)
+    n = len(rows)
+    k = len(REQUESTS_SCHEMA) - _REQ_HEAD - 2  # the accounting columns: checked int64s
+    acct = np.frombuffer(array("q", chain.from_iterable(r[_REQ_HEAD:_REQ_HEAD + k]
+                                                        for r in rows)), dtype=np.int64)
+    acct = np.ascontiguousarray(acct.reshape(n, k).T)
+    # request_num, arrival, first token (None: null), finish
+    times = np.frombuffer(array("q", chain.from_iterable(
+        (r[1], r[4], 0 if r[5] is None else r[5], r[6]) for r in rows)), dtype=np.int64)
+    times = np.ascontiguousarray(times.reshape(n, 4).T)
+    times[1:] += off
+    valid = np.ones((4, n), dtype=bool)
+    valid[2] = [r[5] is not None for r in rows]
+    num, arrival, first, finish = _ints(_I64, times, valid)
+    # The string columns from one vocabulary (strict UTF-8, as pa.array: a bad one fails the
+    # table): request id, tenant, class, status, digest.
+    words: list[Any] = []
+    codes = np.stack([_coded([r[i] for r in rows], words)
+                      for i in (*_REQ_STRINGS, _REQ_HEAD + k)])
+    rid, tenant, wclass, status, digest = _strings(
+        codes, [0] * 5, pa.array(words, _STR))
+    ids = [r[-1] for r in rows]
+    out_ids = (pa.nulls(n, _LIST_I64) if all(x is None for x in ids)
+               else pa.array([None if x is None else x.tolist() for x in ids], _LIST_I64))
+    return pa.Table.from_arrays(
+        [rid, num, tenant, wclass, arrival, first, finish, status, *_ints(_I64, acct), digest,
+         out_ids], schema=REQUESTS_SCHEMA)
 
 
 # NOTE: the samples and events columns are built from buffers. `pa.array()` probes its input with
@@ -241,6 +339,35 @@ def samples_table(rows: Sequence[tuple[Any, ...]], off: int) -> pa.Table:
     )
 
 
+def _coded(values: Sequence[Any], words: list[str]) -> np.ndarray:
+    """Codes of `values` (str or None) into `words`, extended in place with the values not in
+    it yet (None: -1); each distinct value is looked up once, the rows by C-level `map`."""
+    index: dict[Any, int] = {w: i for i, w in enumerate(words)}
+    index[None] = -1
+    for v in dict.fromkeys(values):
+        if v not in index:
+            index[v] = len(words)
+            words.append(v)
+    return np.fromiter(map(index.__getitem__, values), dtype=np.int64, count=len(values))
+
+
+def _utf8(word: Any) -> str:
+    """A sample's string as `_string` writes it (a lone surrogate becomes '?')."""
+    return (word if type(word) is str else str(word)).encode("utf-8", "replace").decode()
+
+
+@lru_cache(maxsize=64)
+def _sample_vocab(words: tuple[str, ...]) -> pa.Array:
+    """The string array of a samples table's words (mostly the same few from drain to
+    drain)."""
+    return pa.array([_utf8(w) for w in words], _STR)
+
+
+#: The pool samples of one `engine_step` row: (entity, metric) codes of its six counts.
+_POOL_ENTITY = np.array([0, 0, 0, 1, 1, 1], dtype=np.int64)
+_POOL_METRIC = np.array([0, 1, 2, 0, 1, 2], dtype=np.int64)
+
+
 def engine_samples_table(steps: list[Chunk], rows: Sequence[tuple[Any, ...]], off: int
                          ) -> pa.Table:
     """The `samples` table of `engine_step` rows (`steps`: per step its device pool's three
@@ -249,32 +376,51 @@ def engine_samples_table(steps: list[Chunk], rows: Sequence[tuple[Any, ...]], of
     follows every step sample at or before t (the rows' own order is kept)."""
     if not steps:
         return samples_table(rows, off)
-    c = [concat_column(steps, j) for j in (5, 10, 11, 12, 13, 14, 15)]
-    n = len(c[0])
-    has_host = c[4] != -1
-    keep = None
-    if not has_host.all():
+    e = _block(steps, len(ENGINE_STEP_COLS))
+    n = len(e)
+    counts = e[:, 10:16]
+    has_host = e[:, 13] != -1
+    if has_host.all():
+        ts = np.repeat(e[:, 5], 6)
+        entity = np.tile(_POOL_ENTITY, n)
+        metric = np.tile(_POOL_METRIC, n)
+        value = counts.ravel().astype(np.float64)
+    else:
         keep = np.ones((n, 6), dtype=bool)
         keep[:, 3:] = has_host[:, None]
-    ts = np.repeat(c[0], 6 if keep is None else keep.sum(axis=1))
+        ts = np.repeat(e[:, 5], keep.sum(axis=1))
+        entity = np.broadcast_to(_POOL_ENTITY, (n, 6))[keep]
+        metric = np.broadcast_to(_POOL_METRIC, (n, 6))[keep]
+        value = counts[keep].astype(np.float64)
     m = len(ts)
-    nstates = len(BLOCK_STATES)
-    entity = _expand([np.broadcast_to(np.int64(i // nstates), n) for i in range(6)], keep)
-    metric = _expand([np.broadcast_to(np.int64(i % nstates), n) for i in range(6)], keep)
-    value = _expand(c[1:], keep).astype(np.float64)
-    pool = pa.Table.from_arrays(
-        [pa.array(ts + off), pa.repeat(pa.scalar("pool"), m),
-         coded_strings(entity, ["device", "host"]), coded_strings(metric, list(BLOCK_STATES)),
-         pa.array(value), pa.repeat(pa.scalar("blocks"), m)], schema=SAMPLES_SCHEMA)
-    if not rows:
-        return pool
-    other = samples_table(rows, off)
-    keys = np.concatenate([ts, np.maximum.accumulate(
-        np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows)))])
-    both = pa.concat_tables([pool, other])
-    if (np.diff(keys) >= 0).all():
-        return both
-    return both.take(pa.array(np.argsort(keys, kind="stable")))
+    k = len(rows)
+    sources, entities, metrics, units = ["pool"], ["device", "host"], list(BLOCK_STATES), \
+        ["blocks"]
+    if k:
+        rts, rsrc, rent, rmet, rval, runit = zip(*rows, strict=True)
+        row_ts = np.fromiter(rts, dtype=np.int64, count=k)
+        source = np.concatenate([np.zeros(m, np.int64), _coded(rsrc, sources)])
+        entity = np.concatenate([entity, _coded(rent, entities)])
+        metric = np.concatenate([metric, _coded(rmet, metrics)])
+        unit = np.concatenate([np.zeros(m, np.int64), _coded(runit, units)])
+        value = np.concatenate([value, np.fromiter(rval, dtype=np.float64, count=k)])
+        keys = np.concatenate([ts, np.maximum.accumulate(row_ts)])
+        ts = np.concatenate([ts, row_ts])
+        if not (np.diff(keys) >= 0).all():
+            order = np.argsort(keys, kind="stable")
+            ts, source, entity, metric, value, unit = (
+                c[order] for c in (ts, source, entity, metric, value, unit))
+    else:
+        source = unit = np.zeros(m, np.int64)
+    ts = ts + off
+    words = [*sources, *entities, *metrics, *units]
+    src, ent, met, uni = _strings(
+        np.stack([source, entity, metric, unit]),
+        [0, len(sources), len(sources) + len(entities),
+         len(sources) + len(entities) + len(metrics)], _sample_vocab(tuple(words)))
+    return pa.Table.from_arrays(
+        [*_ints(_I64, ts.reshape(1, -1)), src, ent, met,
+         *_ints(_F64, np.ascontiguousarray(value).reshape(1, -1)), uni], schema=SAMPLES_SCHEMA)
 
 
 def detail_json(detail: dict[str, Any] | None) -> str | None:
