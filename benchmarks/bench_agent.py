@@ -23,7 +23,8 @@ same wall-clock windows of `--window-s` seconds, each scraped every `--scrape-in
 Prometheus' default; staggered, kept alive, gzip) and otherwise left alone; the agent runs with
 its default `--interval` (1 s), once without `--out` (collection timed to the scrape) and once
 with `--out DIR` (collection on the fixed cadence, the run store's samples). CPU per wall
-second is each process's utime+stime from `/proc/PID/stat` (10 ms ticks) and, to the
+second is each process's utime+stime+cutime+cstime from `/proc/PID/stat` (10 ms ticks;
+reaped children included, for both alike) and, to the
 nanosecond, the sum of `/proc/PID/task/*/schedstat` (threads still alive). node_exporter runs
 (a) on the agent's sources, netdev + cpu + meminfo, and (b) with the series count no greater
 than the agent's: netdev on as many of the agent's interfaces as fit. Ratios agent/node_exporter
@@ -190,10 +191,12 @@ def child_cycles(cycles: int, out: str) -> dict[str, object]:
 
 
 def proc_cpu(pid: int) -> tuple[float, float]:
-    """(utime+stime seconds from /proc/PID/stat, sum of live threads' schedstat seconds)."""
+    """(utime+stime+cutime+cstime seconds from /proc/PID/stat, sum of live threads'
+    schedstat seconds)."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    ticks = int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+    # utime, stime, cutime, cstime (fields 14-17): the process and its reaped children.
+    ticks = int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])
     ns = 0
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
@@ -305,7 +308,8 @@ def cadence(args: argparse.Namespace, ne_bin: str, env: dict[str, str], tmp: Pat
     print(f"real cadence: {args.windows} windows x {args.window_s:g} s, every target scraped "
           f"every {args.scrape_interval:g} s (staggered, kept alive, gzip), agent at its default "
           f"--interval; load average {load_average()}")
-    print("CPU ms per wall second, median [min-max] over windows: /proc/PID/stat utime+stime "
+    print("CPU ms per wall second, median [min-max] over windows: /proc/PID/stat "
+          "utime+stime+cutime+cstime "
           "(10 ms ticks) | task schedstat (ns)")
     for t in targets:
         print(f"  {t.name:38} {t.series:4d} series  stat {fmt_ms(stat_ms[t.name])}  "

@@ -136,6 +136,39 @@ class CounterTracker:
         st[3] = self._gen
         return total, (delta * 1e9 / dt if dt > 0 else None)
 
+    def update_row(self, key: Hashable, raws: list[int], ts_ns: int
+                   ) -> tuple[list[float], list[float] | None]:
+        """`update` of several counters read together (one entity's), kept under one key:
+        element i follows the same rules as `update` of a counter of its own.
+
+        Returns:
+            (monotonic totals, per-second rates or None on the first read / a zero interval).
+        """
+        st, deltas, dt = self._advance_row(key, raws, ts_ns)
+        rates = [d * 1e9 / dt for d in deltas] if deltas is not None and dt > 0 else None
+        return list(st[1]), rates
+
+    def _advance_row(self, key: Hashable, raws: list[int], ts_ns: int
+                     ) -> tuple[list[Any], list[Any] | None, int]:
+        """The row's state [raws, totals, ts, generation, last readings] after `raws`, its
+        deltas (None on the first read) and the interval in ns."""
+        st = self._state.get(key)
+        if st is None or len(st[0]) != len(raws):
+            st = self._state[key] = [list(raws), list(raws), ts_ns, self._gen, None]
+            return st, None, 0
+        last = st[0]
+        deltas = [r - x for r, x in zip(raws, last, strict=True)]
+        if min(deltas, default=0) < 0:
+            for i, d in enumerate(deltas):
+                if d < 0:
+                    deltas[i] = _wrapped_delta(last[i], raws[i])
+        st[1] = [t + d for t, d in zip(st[1], deltas, strict=True)]
+        dt = ts_ns - st[2]
+        st[0] = list(raws)
+        st[2] = ts_ns
+        st[3] = self._gen
+        return st, deltas, dt
+
     def end_cycle(self) -> list[Hashable]:
         """Forget counters not updated since the previous call; returns their keys."""
         gen = self._gen
@@ -197,6 +230,28 @@ class Emitter:
             short, unit = SAMPLE_NAMING[name]
             self.out.samples.append(Sample(self.ts, self.source, entity, short, rate * scale,
                                            unit))
+
+    def counter_row(self, names: tuple[str, ...], labels: tuple[str, ...], raws: list[int],
+                    entity: str | None) -> None:
+        """`counter` of each catalogued counter in `names` from its raw reading in `raws`
+        (one entity's, e.g. an interface's eight): the same readings and samples, in order.
+        A counter that did not move keeps its last `Reading` object (the renderer's
+        unchanged-family check is then an identity test)."""
+        st, deltas, dt = self.counters._advance_row((names, labels), raws, self.ts)
+        totals = st[1]
+        prev = st[4]
+        if prev is None or deltas is None:
+            rows = [Reading(n, labels, float(t)) for n, t in zip(names, totals, strict=True)]
+        else:
+            rows = [p if d == 0 else Reading(n, labels, float(t))
+                    for p, d, n, t in zip(prev, deltas, names, totals, strict=True)]
+        st[4] = rows
+        self.out.readings.extend(rows)
+        if deltas is not None and dt > 0 and self.keep:
+            ts, source, add = self.ts, self.source, self.out.samples.append
+            for name, d in zip(names, deltas, strict=True):
+                short, unit = SAMPLE_NAMING[name]
+                add(Sample(ts, source, entity, short, d * 1e9 / dt * 1.0, unit))
 
     def rate(self, key: Hashable, raw: float, entity: str | None, metric: str,
              unit: str | None, scale: float = 1.0) -> float | None:

@@ -11,12 +11,20 @@ column, though, adds `rx_missed_errors` to `rx_dropped`, and the catalogue's rec
 counter is sysfs `rx_dropped` ("received packets dropped"), so that one (and `speed`) comes
 from sysfs: both files of up to `MAX_OPEN_INTERFACES` interfaces stay open and each run
 `pread`s them from offset 0 (sysfs regenerates an attribute on every read from the start),
-with the interface's directory checked by inode so that an interface renamed, or removed and
-created again under the same name, is reopened rather than read through stale descriptors.
+with the interface's entry in `class/net` checked by inode (the entry itself, `lstat`: the
+class symlink moves with a renamed device and is made anew for a new one, and resolving it
+costs a path walk) so that an interface renamed, or removed and created again under the same
+name, is reopened rather than read through stale descriptors.
 An interface missing from `/proc/net/dev` (or no `/proc/net/dev`), or every interface when the
 two list different interfaces (another network namespace's sysfs), is read from its sysfs
 `statistics/*` files; one without a statistics directory, or no sysfs at all, from
 `/proc/net/dev` alone (its receive drops then include missed packets).
+
+`/proc/net/dev` stays open too, and the listing of `class/net` is kept while the two list the
+same interfaces: it is taken again when `/proc/net/dev` lists other interfaces (or the same
+in another order: a rename), when an interface of it is gone from sysfs, and at least every
+`RELIST_NS` (an interface only sysfs shows is found within that long). Each interface's
+counters go through `Emitter.counter_row` (one call for its eight).
 """
 
 from __future__ import annotations
@@ -32,7 +40,6 @@ from collectors.base import (
     Emitter,
     NameFilter,
     read_int,
-    read_text,
 )
 
 log = logging.getLogger(__name__)
@@ -90,6 +97,34 @@ def parse_proc_net_dev(text: str) -> dict[str, list[int]]:
     return out
 
 
+_COLS = tuple(col for _, col, _ in NIC_COUNTERS)
+#: The catalogued counters of one interface, in `NIC_COUNTERS` order.
+_ROW = tuple(metric for _, _, metric in NIC_COUNTERS)
+
+
+def _net_dev_rows(data: bytes) -> dict[str, list[int]]:
+    """`/proc/net/dev` → interface → its catalogued counters in `NIC_COUNTERS` order (what
+    `parse_proc_net_dev` gives, the eight columns picked), in the file's order."""
+    out: dict[str, list[int]] = {}
+    c0, c1, c2, c3, c4, c5, c6, c7 = _COLS
+    for line in data.split(b"\n")[2:]:
+        name, sep, rest = line.partition(b":")
+        if not sep:
+            continue
+        v = rest.split()
+        if len(v) < 16:
+            continue
+        out[name.strip().decode()] = [int(v[c0]), int(v[c1]), int(v[c2]), int(v[c3]),
+                                      int(v[c4]), int(v[c5]), int(v[c6]), int(v[c7])]
+    return out
+
+
+#: With sysfs and /proc/net/dev listing the same interfaces, the sysfs listing is taken again
+#: when /proc/net/dev lists others (or the same in another order: a rename) and at least
+#: this often (an interface only sysfs shows is found within this long).
+RELIST_NS = 60 * 1_000_000_000
+
+
 class NicCollector(BaseCollector):
     """Reads interface counters.
 
@@ -115,53 +150,27 @@ class NicCollector(BaseCollector):
         self.counters = CounterTracker()
         self._seen: set[str] = set()
         self._open: dict[str, _OpenNic] = {}
+        self._proc_fd = -1  # /proc/net/dev, kept open and re-read from offset 0
+        # The last sysfs listing, filtered, while it listed what /proc/net/dev did: (the
+        # interfaces /proc/net/dev listed then, in its order, the names kept, when).
+        self._listed: tuple[tuple[str, ...], list[str], int] | None = None
 
     def collect(self) -> Collection:
-        em = Emitter(self.source, self.clock(), self.counters, self.keep_samples)
-        listing: list[str] = []
+        ts = self.clock()
+        em = Emitter(self.source, ts, self.counters, self.keep_samples)
+        proc_error: OSError | None = None
         try:
-            listing = os.listdir(self.net_dir)
-            names = self.filter.filter(listing)
-            sysfs = True
-        except FileNotFoundError:
-            sysfs = False
-        try:
-            proc = parse_proc_net_dev(read_text(self.proc_net_dev))
-        except OSError:
-            if not sysfs:
-                raise
-            proc = {}  # statistics files only
-        if not sysfs:
-            names = self.filter.filter(proc)
-        # /proc/net/dev is this process's network namespace, sysfs the one it was mounted in
-        # (a container with the host's /sys): the two list other interfaces then, and a
-        # same-named one may be another device. Counters come from /proc/net/dev only while
-        # both list the same interfaces; else from each interface's own statistics files.
-        fast = not sysfs or set(proc) == set(listing)
+            proc: dict[str, list[int]] | None = _net_dev_rows(self._read_proc())
+        except OSError as exc:
+            proc, proc_error = None, exc
+        read = self._read_listed(proc, ts)
+        if read is None:  # no listing kept, or an interface of it left sysfs: list again
+            read = self._read_all(proc, proc_error, ts)
         present: set[str] = set()
-        for dev in names:
-            row = proc.get(dev)
-            values: list[int] | None = None
-            speed: int | None = None
-            if sysfs:
-                extra = self._read_open(dev) if row is not None and fast else None
-                if row is not None and extra is not None:
-                    values = [row[col] for _, col, _ in NIC_COUNTERS]
-                    values[_RX_DROPPED] = extra[0]
-                    speed = extra[1]
-                else:
-                    values = self._read_sysfs_paths(dev)
-                    if values is None and not os.path.isdir(os.path.join(self.net_dir, dev)):
-                        continue  # vanished between listdir and read
-                    speed = self._speed(dev)
-            if values is None:
-                if row is None:
-                    continue
-                values = [row[col] for _, col, _ in NIC_COUNTERS]
+        for dev, values, speed in read:
             present.add(dev)
             labels = (dev,)
-            for (_, _, metric), raw in zip(NIC_COUNTERS, values, strict=True):
-                em.counter(metric, labels, raw, dev)
+            em.counter_row(_ROW, labels, values, dev)
             if speed is not None:
                 em.gauge("kvscope_nic_speed_bytes", labels, speed * _MBIT_TO_BYTES, dev)
         for dev in sorted(self._seen - present):
@@ -172,10 +181,97 @@ class NicCollector(BaseCollector):
         self.counters.end_cycle()
         return em.out
 
+    def _read_listed(self, proc: dict[str, list[int]] | None, ts: int
+                     ) -> list[tuple[str, list[int], int | None]] | None:
+        """The interfaces of the kept sysfs listing, while /proc/net/dev lists what it did
+        then (in the same order) and the listing is younger than `RELIST_NS`; None when it
+        may be stale (or an interface of it is gone from sysfs)."""
+        listed = self._listed
+        if (listed is None or proc is None or ts - listed[2] >= RELIST_NS
+                or listed[0] != tuple(proc)):
+            return None
+        out = []
+        for dev in listed[1]:
+            row = proc[dev]
+            extra = self._read_open(dev)
+            if extra is None:
+                return None  # its statistics directory is gone (or never was): list again
+            values = row[:]
+            values[_RX_DROPPED] = extra[0]
+            out.append((dev, values, extra[1]))
+        return out
+
+    def _read_all(self, proc: dict[str, list[int]] | None, proc_error: OSError | None,
+                  ts: int) -> list[tuple[str, list[int], int | None]]:
+        """Every interface, the sysfs directory listed (and the listing kept while it lists
+        what /proc/net/dev does)."""
+        self._listed = None
+        try:
+            listing = os.listdir(self.net_dir)
+            sysfs = True
+        except FileNotFoundError:
+            sysfs = False
+        if proc is None:
+            if not sysfs and proc_error is not None:
+                raise proc_error  # neither source is readable
+            proc = {}  # statistics files only
+        if not sysfs:
+            return [(dev, proc[dev], None) for dev in self.filter.filter(proc)]
+        names = self.filter.filter(listing)
+        # /proc/net/dev is this process's network namespace, sysfs the one it was mounted in
+        # (a container with the host's /sys): the two list other interfaces then, and a
+        # same-named one may be another device. Counters come from /proc/net/dev only while
+        # both list the same interfaces; else from each interface's own statistics files.
+        fast = set(proc) == set(listing)
+        out = []
+        kept = fast
+        for dev in names:
+            row = proc.get(dev)
+            extra = self._read_open(dev) if row is not None and fast else None
+            if row is not None and extra is not None:
+                values = row[:]
+                values[_RX_DROPPED] = extra[0]
+                out.append((dev, values, extra[1]))
+                continue
+            kept = False  # read by path: the next run lists again
+            sysfs_values = self._read_sysfs_paths(dev)
+            if sysfs_values is None:
+                if not os.path.isdir(os.path.join(self.net_dir, dev)):
+                    continue  # vanished between listdir and read
+                if row is None:
+                    continue
+                sysfs_values = row  # no statistics directory: /proc/net/dev alone
+            out.append((dev, sysfs_values, self._speed(dev)))
+        if kept:
+            self._listed = (tuple(proc), names, ts)
+        return out
+
+    def _read_proc(self) -> bytes:
+        """/proc/net/dev to its end (procfs hands it out a page or so per read) through a
+        descriptor kept open; reopened once if reading it fails."""
+        if self._proc_fd >= 0:
+            try:
+                return _pread_all(self._proc_fd)
+            except OSError:
+                os.close(self._proc_fd)
+                self._proc_fd = -1
+        fd = os.open(self.proc_net_dev, os.O_RDONLY)
+        try:
+            data = _pread_all(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._proc_fd = fd
+        return data
+
     def close(self) -> None:
         for nic in self._open.values():
             nic.close()
         self._open.clear()
+        if self._proc_fd >= 0:
+            os.close(self._proc_fd)
+            self._proc_fd = -1
+        self._listed = None
 
     def _read_open(self, dev: str) -> tuple[int, int | None] | None:
         """(sysfs rx_dropped, speed in Mb/s or None) of `dev` through its kept-open files;
@@ -184,7 +280,7 @@ class NicCollector(BaseCollector):
         nic = self._open.get(dev)
         if nic is not None:
             try:
-                if os.stat(path).st_ino == nic.ino:
+                if os.lstat(path).st_ino == nic.ino:
                     return nic.read()
             except OSError:
                 pass  # removed (ENODEV through the old descriptors) or gone from the listing
@@ -196,7 +292,7 @@ class NicCollector(BaseCollector):
             except (FileNotFoundError, NotADirectoryError):
                 return None
         try:
-            ino = os.stat(path).st_ino
+            ino = os.lstat(path).st_ino
             drop = os.open(os.path.join(path, "statistics", "rx_dropped"), os.O_RDONLY)
         except (FileNotFoundError, NotADirectoryError):
             return None
@@ -235,6 +331,15 @@ class NicCollector(BaseCollector):
         except (OSError, ValueError):
             return None  # EINVAL on virtual or down devices
         return mbit if mbit > 0 else None
+
+
+def _pread_all(fd: int) -> bytes:
+    chunks = []
+    off = 0
+    while chunk := os.pread(fd, 65536, off):
+        chunks.append(chunk)
+        off += len(chunk)
+    return b"".join(chunks)
 
 
 def _pread_speed(fd: int) -> int | None:

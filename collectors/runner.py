@@ -69,6 +69,9 @@ class _Demand:
     completed: int = 0
     last_start_ns: int = -(1 << 62)
     last_start_mono: float = 0.0  # time.monotonic() of the same start (the idle floor's clock)
+    #: Threads waiting on `cond` for a run to complete (a finished run notifies only then:
+    #: the collector's own thread, waiting out its idle floor, need not wake at every scrape).
+    waiters: int = 0
 
 
 class CollectorRunner:
@@ -214,7 +217,16 @@ class CollectorRunner:
                     left = d.last_start_mono + idle_s - time.monotonic()
                     if not busy and (first or d.requested > d.started or left <= 0):
                         break
-                    d.cond.wait(None if busy else left)
+                    if busy:
+                        d.waiters += 1
+                        try:
+                            d.cond.wait()
+                        finally:
+                            d.waiters -= 1
+                    else:
+                        # A scrape's run moves the floor later: this wait then ends early
+                        # (once) and the loop waits again for the rest.
+                        d.cond.wait(left)
                 if self._stop.is_set():
                     return
                 first = False
@@ -227,7 +239,8 @@ class CollectorRunner:
         finally:
             with d.cond:
                 d.completed += 1
-                d.cond.notify_all()
+                if d.waiters:
+                    d.cond.notify_all()
 
     def refresh(self, max_age_s: float, timeout_s: float = 1.0) -> None:
         """With `on_demand`: have every collector whose last run started more than
@@ -265,7 +278,11 @@ class CollectorRunner:
                     left = end - time.monotonic()
                     if left <= 0:
                         return
-                    d.cond.wait(left)
+                    d.waiters += 1
+                    try:
+                        d.cond.wait(left)
+                    finally:
+                        d.waiters -= 1
 
     # ------------------------------------------------------------------ one run
     def run_once(self, c: BaseCollector) -> Collection | None:

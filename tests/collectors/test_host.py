@@ -67,3 +67,37 @@ def test_watched_process_rss_cpu_and_exit(root):
     assert {x.labels for x in col.readings if x.name.startswith("kvscope_process")} == {
         ("self",)}
     assert c.collect().events == []
+
+
+def test_one_read_of_the_head_and_the_whole_file_when_the_head_lacks_a_line(tmp_path,
+                                                                           monkeypatch):
+    """/proc/stat is read once for its first line however long the file (the intr line of a
+    large host runs to many KB); /proc/meminfo without MemAvailable past the first read is
+    read to its end."""
+    from collectors import host
+
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "stat").write_text("cpu  10 0 5 80 5 0 0 0 0 0\n" + "intr" + " 1" * 20_000 + "\n")
+    pad = "".join(f"Pad{i}:   {i} kB\n" for i in range(400))  # past the first read
+    (proc / "meminfo").write_text(f"MemTotal: 1000 kB\n{pad}MemFree: 100 kB\nBuffers: 50 kB\n"
+                                  "Cached: 150 kB\n")
+    reads: list[int] = []
+    real = os.pread
+
+    def counting(fd, n, off):
+        data = real(fd, n, off)
+        reads.append(len(data))
+        return data
+
+    c = HostCollector(proc_root=str(proc))
+    monkeypatch.setattr(host.os, "pread", counting)
+    r = {x.name: x.value for x in c.collect().readings}
+    monkeypatch.undo()
+    c.close()
+    assert r["kvscope_host_memory_used_bytes"] == 700 * 1024
+    assert reads[0] == host._HEAD_BYTES  # /proc/stat: the first read only
+    assert len(reads) >= 3 and reads[1] == host._HEAD_BYTES and reads[-1] == 0
+    assert parse_cpu_line(b"cpu  1 2 3 4 5 6 7 8\n") == (1 + 2 + 3 + 6 + 7 + 8, 1 + 2 + 3 + 6
+                                                       + 7 + 8 + 4 + 5)
+    assert parse_meminfo(b"MemTotal: 10 kB\nMemAvailable: 4 kB\n") == (10 * 1024, 6 * 1024)

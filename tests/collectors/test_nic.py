@@ -259,3 +259,60 @@ def test_another_namespaces_sysfs_is_read_from_its_own_statistics(root):
     assert r[("kvscope_nic_receive_bytes_total", ("docker0",))] == 9
     assert ("kvscope_nic_receive_bytes_total", ("lo",)) not in r
     c.close()
+
+
+def test_the_sysfs_listing_is_kept_while_proc_net_dev_lists_the_same(root, monkeypatch):
+    """sysfs is listed once while /proc/net/dev lists the same interfaces; an interface
+    that appears in both is read at the next run; a rename (the same names in another
+    order) or `RELIST_NS` lists it again."""
+    import collectors.nic as nic
+
+    listed: list[str] = []
+    real = os.listdir
+
+    def counting(path):
+        listed.append(str(path))
+        return real(path)
+
+    monkeypatch.setattr(nic.os, "listdir", counting)
+    clock = StepClock()
+    _both(root, {"eth0": {"rx_bytes": 1}, "lo": {"rx_bytes": 2}})
+    c = NicCollector(sys_root=str(root.sys), proc_root=str(root.proc), clock=clock)
+    for _ in range(3):
+        clock.advance(1.0)
+        r = _readings(c.collect())
+    assert len(listed) == 1
+    assert r[("kvscope_nic_receive_bytes_total", ("lo",))] == 2
+    _both(root, {"eth0": {"rx_bytes": 1}, "lo": {"rx_bytes": 2}, "veth9": {"rx_bytes": 9}})
+    clock.advance(1.0)
+    assert _readings(c.collect())[("kvscope_nic_receive_bytes_total", ("veth9",))] == 9
+    assert len(listed) == 2
+    # The same names in another order: interfaces were renamed, list again.
+    _both(root, {"lo": {"rx_bytes": 2}, "veth9": {"rx_bytes": 9}, "eth0": {"rx_bytes": 1}})
+    clock.advance(1.0)
+    c.collect()
+    assert len(listed) == 3
+    clock.advance(1.0)
+    c.collect()
+    assert len(listed) == 3
+    # An interface only sysfs shows (another namespace's /sys) is found within RELIST_NS.
+    root.set_nic("docker0", rx_bytes=5)
+    clock.advance(nic.RELIST_NS / 1e9)
+    r = _readings(c.collect())
+    assert len(listed) == 4
+    assert r[("kvscope_nic_receive_bytes_total", ("docker0",))] == 5
+    c.close()
+
+
+def test_an_interface_gone_from_sysfs_under_a_kept_listing_is_listed_again(root):
+    clock = StepClock()
+    _both(root, {"eth0": {"rx_bytes": 1}, "eth1": {"rx_bytes": 2}})
+    c = NicCollector(sys_root=str(root.sys), proc_root=str(root.proc), clock=clock)
+    c.collect()
+    root.remove_nic("eth1")  # /proc/net/dev still lists it
+    clock.advance(1.0)
+    col = c.collect()
+    assert {r.labels for r in col.readings} == {("eth0",)}
+    assert [e.name for e in col.events] == ["interface_vanished"]
+    assert c._open.keys() == {"eth0"}  # eth1's files are closed
+    c.close()

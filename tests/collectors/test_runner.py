@@ -245,3 +245,33 @@ def test_on_demand_idle_floor_counts_from_the_last_run_by_anyone():
         runner.stop()
     assert c.threads.count("kvscope-collector-c") == 1  # only the immediate first run
     assert len(c.threads) > 10
+
+
+def test_an_inline_run_does_not_wake_the_collectors_thread():
+    """A scrape's run on its own thread notifies the collector's condition only when some
+    thread waits for that run to finish: the collector's thread, waiting out its idle floor,
+    is not woken at every scrape."""
+
+    class CountingCondition(threading.Condition):
+        notified = 0
+
+        def notify_all(self) -> None:
+            CountingCondition.notified += 1
+            super().notify_all()
+
+    c = Where("c")
+    runner = CollectorRunner([c], interval_s=1.0, on_demand=True, idle_interval_s=3600,
+                             inline_max_s=10.0)
+    runner._demand["c"].cond = CountingCondition()
+    runner.start()
+    try:
+        _wait_until(lambda: runner._demand["c"].completed == 1)  # its first run is over
+        before = CountingCondition.notified
+        for _ in range(20):
+            runner.refresh(0.0)
+        assert c.runs == 21
+        assert CountingCondition.notified == before
+        assert runner._demand["c"].waiters == 0
+    finally:
+        runner.stop()
+    assert c.threads.count("kvscope-collector-c") == 1
