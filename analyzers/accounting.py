@@ -13,15 +13,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pandas as pd
 
 from agent.schema import ACCOUNTING_COLUMNS, LOAD_FAIL_REASONS, TOKEN_SOURCES
 from analyzers import frames as F
-from analyzers.costmodel import StepCost
 from analyzers.ratios import Ratio
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from analyzers.costmodel import StepCost
+else:  # imported on a thread while the caller reads (see `analyzers.frames`)
+    pd = F.PANDAS
 
 __all__ = [
     "Ratio",
@@ -107,10 +112,12 @@ def token_accounting(requests: pd.DataFrame, by: str | Sequence[str] | None = No
     """
     F.require_columns(requests, ("request_id", "first_token_ns"), "requests")
     served = _served(requests)
-    full = _matrix(requests)
+    given = {c: requests[c] for c in ACCOUNTING_COLUMNS if c in requests}  # each looked up once
+    full = {c: (F.ints(given[c], 0) if c in given else np.zeros(len(requests), np.int64))
+            for c in ACCOUNTING_COLUMNS}  # `_matrix`
     cols = {c: v[served] for c, v in full.items()}
     tot = {c: int(v.sum()) for c, v in cols.items()}
-    unknown = _unknown_columns(requests, served)
+    unknown = _unknown_columns(given, served)
     n = int(served.sum())
     reused = cols["device_hit_tokens"] + cols["host_loaded_tokens"] + cols["remote_loaded_tokens"]
     lookup = tot["lookup_tokens"]
@@ -238,11 +245,14 @@ _RATIO_INPUTS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _unknown_columns(requests: pd.DataFrame, served: np.ndarray) -> set[str]:
-    """Accounting columns the input does not carry: absent, or null for every served request."""
+def _unknown_columns(given: dict[str, pd.Series], served: np.ndarray) -> set[str]:
+    """Accounting columns the input does not carry (`given`: those it has, by name): absent,
+    or null for every served request."""
     out = set()
+    some = bool(served.any())
     for c in ACCOUNTING_COLUMNS:
-        if c not in requests or (served.any() and not F.valid(requests[c])[served].any()):
+        col = given.get(c)
+        if col is None or (some and not F.valid(col)[served].any()):
             out.add(c)
     return out
 

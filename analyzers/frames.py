@@ -7,15 +7,69 @@ strings as Arrow-backed ``str``; hand-built frames in tests may use plain ``int6
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from agent.errors import InputError
 from agent.schema import TTFT_STAGES
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+
+class _Pandas:
+    """The pandas module, looked up at each use (``pd.DataFrame``): the analyzers' modules
+    name it `pd` without importing it when they load, and `_start_pandas_import` imports it
+    on a thread meanwhile. A use before that import is done waits for it (Python's import
+    lock for the module); afterwards a use is one ``sys.modules`` look-up."""
+
+    __slots__ = ()
+
+    def __getattr__(self, name: str) -> Any:
+        import pandas
+
+        return getattr(pandas, name)
+
+
+#: pandas for the analyzers (`_Pandas`): ``from analyzers.frames import PANDAS as pd``.
+PANDAS: Any = _Pandas()
+_pandas_import: threading.Thread | None = None
+
+
+def _import_pandas() -> None:
+    try:
+        import pandas  # noqa: F401
+    except BaseException:
+        pass  # a use imports it again and raises there
+
+
+def _wait_for_pandas_import() -> None:
+    """Before a fork: let the background import finish (a child must not inherit its locks)."""
+    t = _pandas_import
+    if t is not None and t is not threading.current_thread():
+        t.join()
+
+
+def _start_pandas_import() -> None:
+    """Import pandas on a thread while the caller goes on (e.g. `open_run` decoding Parquet,
+    which Arrow does without the GIL): about a third of a second of a fresh process's
+    analysis overlapped. Nothing when pandas is imported already."""
+    global _pandas_import
+    if "pandas" in sys.modules:
+        return
+    os.register_at_fork(before=_wait_for_pandas_import)
+    _pandas_import = threading.Thread(target=_import_pandas, name="kvscope-import-pandas")
+    _pandas_import.start()
+
+
+_start_pandas_import()
 
 #: The partition's stage columns, in `TTFT_STAGES` order.
 STAGE_COLUMNS: tuple[str, ...] = tuple(f"{s}_ns" for s in TTFT_STAGES)
@@ -41,15 +95,24 @@ def _array(arr: pa.Array | pa.ChunkedArray) -> pa.Array:
 
 
 def ints(col: pd.Series, fill: int = -1) -> np.ndarray:
-    """An integer column as ``int64`` numpy, nulls replaced by `fill`."""
-    if col.dtype == np.int64:
-        return col.to_numpy()  # NOTE: may be a read-only view; callers never write into it
-    return col.to_numpy(dtype=np.int64, na_value=fill)
+    """An integer column as ``int64`` numpy, nulls replaced by `fill`.
+
+    Always with numpy's own int64 descriptor: an array converted from Arrow can carry an
+    equal but distinct one, which every result computed from it inherits and which sends
+    ``np.add.at`` and the other ``ufunc.at`` down their generic path (~25x slower)."""
+    # NOTE: a plain int64 column's array may be a read-only view; callers never write into it
+    out = (col.to_numpy() if col.dtype == np.int64
+           else col.to_numpy(dtype=np.int64, na_value=fill))
+    return out if out.dtype is _INT64 else out.view(_INT64)
+
+
+_INT64 = np.dtype(np.int64)
 
 
 def valid(col: pd.Series) -> np.ndarray:
-    """Boolean mask of the non-null entries of `col`."""
-    return col.notna().to_numpy(dtype=bool, copy=True)
+    """Boolean mask of the non-null entries of `col` (`Series.notna`, from its array: no
+    Series built)."""
+    return ~np.asarray(col.array.isna(), dtype=bool)
 
 
 def categorize(col: pd.Series) -> tuple[np.ndarray, list[str | None]]:
@@ -63,10 +126,16 @@ def categorize(col: pd.Series) -> tuple[np.ndarray, list[str | None]]:
         enc = enc.unify_dictionaries()
         dictionary = (enc.chunk(0).dictionary if enc.num_chunks
                       else pa.array([], pa.large_string()))
-        indices = pa.chunked_array([c.indices for c in enc.chunks], pa.int32())
+        chunks = [c.indices for c in enc.chunks]
     else:
-        dictionary, indices = enc.dictionary, enc.indices
-    idx = pc.fill_null(indices, -1).to_numpy(zero_copy_only=False).astype(np.int64)
+        dictionary, chunks = enc.dictionary, [enc.indices]
+    # Each chunk's int32 codes widened straight into the result (nulls as -1).
+    idx = np.empty(sum(len(c) for c in chunks), dtype=np.int64)
+    at = 0
+    for c in chunks:
+        idx[at:at + len(c)] = (c if not c.null_count else pc.fill_null(c, -1)).to_numpy(
+            zero_copy_only=False)
+        at += len(c)
     return idx, dictionary.to_pylist()
 
 

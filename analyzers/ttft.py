@@ -16,9 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cache
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
+import pyarrow as pa
 
 from agent.errors import InputError
 from agent.intervals import (
@@ -32,6 +34,11 @@ from analyzers import frames as F
 
 # The summaries live in their own module; re-exported here as part of the ttft API.
 from analyzers.ttft_summary import TTFTSummary, summarize
+
+if TYPE_CHECKING:
+    import pandas as pd
+else:  # imported on a thread while the caller reads (see `analyzers.frames`)
+    pd = F.PANDAS
 
 __all__ = [
     "ACTIVITY_STAGES",
@@ -64,7 +71,6 @@ PARTITION_SPAN_KINDS: tuple[str, ...] = ("state", "activity")
 #: Hit classes of a request, from its accounting: nothing reused, some, or every lookup token.
 HIT_CLASSES: tuple[str, ...] = ("cold", "partial", "full")
 
-_HIT_DTYPE = pd.CategoricalDtype(list(HIT_CLASSES))
 _K = len(TTFT_STAGES)
 _QUEUE = TTFT_STAGES.index("queue")
 _STATE, _ACTIVITY = SPAN_KINDS.index("state"), SPAN_KINDS.index("activity")
@@ -120,6 +126,13 @@ def _flag_text(flags: Mapping[str, np.ndarray], n: int) -> np.ndarray:
     return out
 
 
+@cache
+def _hit_dtype() -> pd.CategoricalDtype:
+    """The hit classes' categorical dtype (made once, at the first use: pandas is imported on
+    a thread while this module loads)."""
+    return pd.CategoricalDtype(list(HIT_CLASSES))
+
+
 def _hit_class(requests: pd.DataFrame) -> pd.Categorical:
     """cold / partial / full from the accounting; null where the input lacks the counts."""
     n = len(requests)
@@ -134,7 +147,7 @@ def _hit_class(requests: pd.DataFrame) -> pd.Categorical:
     reused = col("device_hit_tokens") + col("host_loaded_tokens") + col("remote_loaded_tokens")
     lookup = col("lookup_tokens")
     code = np.where(reused <= 0, 0, np.where((lookup > 0) & (reused >= lookup), 2, 1))
-    return pd.Categorical.from_codes(np.where(known, code, -1), dtype=_HIT_DTYPE)
+    return pd.Categorical.from_codes(np.where(known, code, -1), dtype=_hit_dtype())
 
 
 def partition(
@@ -278,6 +291,8 @@ def _request_rows_by_num(span_nums: pd.Series, request_nums: pd.Series) -> np.nd
     if hi - lo < 8 * len(rn) + 1024:  # dense: one gather per span
         lut = np.full(hi - lo + 1, -1, dtype=np.int64)
         lut[rn - lo] = np.arange(len(rn))
+        if len(sn) and ok.all() and int(sn.min()) >= lo and int(sn.max()) <= hi:
+            return lut[sn - lo]  # every span names a number in range (a run's do)
         inside = ok & (sn >= lo) & (sn <= hi)
         out[inside] = lut[sn[inside] - lo]
         return out
@@ -453,7 +468,10 @@ def _frame(requests: pd.DataFrame, stage_ns: np.ndarray, ttft: np.ndarray, hidde
         out["itl_ns"] = np.where(itl_ok, (finish - first) / np.maximum(out_tok - 1, 1), np.nan)
     out["e2e_ns"] = nullable(finish - arrival, ~has_fin)
     out["derived"] = derived
-    out["violation"] = pd.array(violation, dtype="str")
+    # Through Arrow: the same large_string array `pd.array(violation, dtype="str")` builds,
+    # without pandas' per-element inference.
+    out["violation"] = pd.array(pa.array(violation, type=pa.large_string(), from_pandas=True),
+                                dtype="str")
     return pd.DataFrame(out, index=pd.RangeIndex(n))
 
 

@@ -8,14 +8,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pandas as pd
 
 from agent.errors import InputError
 from agent.schema import TTFT_STAGES
 from analyzers import frames as F
+
+if TYPE_CHECKING:
+    import pandas as pd
+else:  # imported on a thread while the caller reads (see `analyzers.frames`)
+    pd = F.PANDAS
 
 QUANTILES: tuple[float, ...] = (0.5, 0.9, 0.99)
 _QCOLS = ("p50_ns", "p90_ns", "p99_ns")
@@ -167,8 +171,7 @@ def summarize(
     arrival = F.ints(served["arrival_ns"])
     w = window_ns or default_window_ns(arrival)
     origin = origin_ns if origin_ns is not None else (int(arrival.min()) if len(arrival) else 0)
-    windows = _windows(vals, arrival, w, origin)
-    stages, slowest, windows = (_tidy(x) for x in (stages, slowest, windows))
+    windows = _windows(vals, arrival, w, origin)  # each of the three tidied (`_tidy`)
     return TTFTSummary(
         requests=int(has_ft.sum()),
         without_first_token=int((~has_ft).sum()),
@@ -180,6 +183,15 @@ def summarize(
         windows=windows,
         window_ns=int(w),
     )
+
+
+def _table(data: dict[str, Any]) -> pd.DataFrame:
+    """``_tidy(pd.DataFrame(data))`` for columns given as numpy arrays (and lists): the float
+    ns arrays rounded before the one frame is built."""
+    if not all(isinstance(v, np.ndarray) for k, v in data.items() if k.endswith("_ns")):
+        return _tidy(pd.DataFrame(data))
+    return pd.DataFrame({k: (v.round(3) if k.endswith("_ns") and v.dtype == np.float64 else v)
+                         for k, v in data.items()})
 
 
 def _tidy(df: pd.DataFrame) -> pd.DataFrame:
@@ -220,7 +232,7 @@ def _stage_table(vals: pd.DataFrame, keys: list[pd.Series], names: list[str],
     out.insert(len(by) + 1, "requests",
                np.repeat(counts.to_numpy(dtype=np.int64), len(names)))
     out["total_ns"] = out["total_ns"].astype(np.int64)
-    return out
+    return _tidy(out)
 
 
 def _stage_table_all(vals: pd.DataFrame, names: list[str]) -> pd.DataFrame:
@@ -236,7 +248,7 @@ def _stage_table_all(vals: pd.DataFrame, names: list[str]) -> pd.DataFrame:
                           for x in names]) if n else nan
     total = np.array([int(c.sum()) for c in cols], dtype=np.int64)
     ttft_total = total[names.index("ttft")]
-    return pd.DataFrame({
+    return _table({
         "stage": names,
         "requests": np.full(len(names), n, dtype=np.int64),
         **{col: q[i] for i, col in enumerate(_QCOLS)},
@@ -254,7 +266,7 @@ def _slowest(vals: pd.DataFrame, keys: list[pd.Series], by: tuple[str, ...]) -> 
         return pd.DataFrame(columns=cols)
     if not by:
         return _slowest_all(vals, names)
-    return _slowest_grouped(vals, keys, by, names)
+    return _tidy(_slowest_grouped(vals, keys, by, names))
 
 
 def _slowest_all(vals: pd.DataFrame, names: list[str]) -> pd.DataFrame:
@@ -266,9 +278,9 @@ def _slowest_all(vals: pd.DataFrame, names: list[str]) -> pd.DataFrame:
     count = int(slow.sum())
     tot = {x: int(vals[x].to_numpy()[slow].sum()) for x in [*names, "ttft"]}
     if max(abs(v) for v in tot.values()) >= 2**53:  # pandas' float sums would round
-        return _slowest_grouped(vals, [pd.Series("all", index=vals.index)], (), names)
+        return _tidy(_slowest_grouped(vals, [pd.Series("all", index=vals.index)], (), names))
     den = tot["ttft"] if tot["ttft"] > 0 else float("nan")
-    return pd.DataFrame({
+    return _table({
         "stage": names,
         "threshold_ns": np.full(len(names), threshold, dtype=np.float64),
         "requests": np.full(len(names), count, dtype=np.int64),
@@ -333,18 +345,26 @@ def _windows(vals: pd.DataFrame, arrival: np.ndarray, window_ns: int, origin_ns:
     start = origin_ns + ((arrival - origin_ns) // window_ns) * window_ns
     starts, counts = np.unique(start, return_counts=True)
     if len(starts) <= _NUMPY_WINDOWS:
-        order = np.argsort(start, kind="stable")
         bounds = np.r_[0, np.cumsum(counts)]
         data: dict[str, Any] = {"window_start_ns": starts.astype(np.int64),
                                 "window_start_s": (starts - origin_ns) / 1e9,
                                 "requests": counts.astype(np.int64)}
-        cols_q = {n: [vals[n].to_numpy()[order[bounds[i]:bounds[i + 1]]]
-                      for i in range(len(starts))] for n in names}
-        qs = {n: np.array([_group_quantiles(v) for v in cols_q[n]]) for n in names}
-        for k, qc in enumerate(_QCOLS):
-            for n in names:
-                data[f"{n}_{qc}"] = qs[n][:, k]
-        return pd.DataFrame(data).reindex(columns=cols)
+        # Each column in window order, each window's run sorted in place; every window's
+        # quantiles then picked at once, with `_group_quantiles`' arithmetic.
+        order = np.argsort(start, kind="stable")
+        m = counts.astype(np.int64)
+        for n in names:
+            x = vals[n].to_numpy()[order].astype(np.float64)
+            for i in range(len(starts)):
+                x[bounds[i]:bounds[i + 1]].sort()
+            for q, qc in zip(QUANTILES, _QCOLS, strict=True):
+                h = q * (m - 1).astype(np.float64)
+                j = h.astype(np.int64)  # int(h): h >= 0
+                frac = h % 1
+                lo = x[bounds[:-1] + j]
+                hi = x[bounds[:-1] + np.minimum(j + 1, m - 1)]
+                data[f"{n}_{qc}"] = np.where(frac == 0.0, lo, lo + (hi - lo) * frac)
+        return _table({c: data[c] for c in cols})
     g = vals[names].groupby(start, sort=True)
     qv = g.quantile(list(QUANTILES))  # one sort per column for all three quantiles
     out = pd.DataFrame({"requests": g.size()})
@@ -354,4 +374,4 @@ def _windows(vals: pd.DataFrame, arrival: np.ndarray, window_ns: int, origin_ns:
             out[f"{n}_{qc}"] = at[n]
     out = out.reset_index(names="window_start_ns")
     out["window_start_s"] = (out["window_start_ns"] - origin_ns) / 1e9
-    return out.reindex(columns=cols)
+    return _tidy(out.reindex(columns=cols))

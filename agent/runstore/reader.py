@@ -524,14 +524,27 @@ def read_table(path: Path, name: str, gaps: list[str], version: int = SCHEMA_VER
         return _empty(schema), []
     parts = _parts(d, name, gaps)
     seqs = [s for s, _ in parts]
-    tables = []
-    for _, p in parts:
+    narrowed = columns is not None or row_filter is not None
+
+    def one(p: Path) -> pa.Table:
         try:
-            t = _read_part(p, name, schema, version, row_filter) if (
-                columns is not None or row_filter is not None) else _read_whole(p)
+            t = _read_part(p, name, schema, version, row_filter) if narrowed else _read_whole(p)
         except (pa.ArrowException, OSError) as exc:
             raise InputError(f"{p}: unreadable Parquet part ({exc})") from None
-        tables.append(_conform(upgrade(t, name, version, meta), schema, p))
+        return _conform(upgrade(t, name, version, meta), schema, p)
+
+    paths = [p for _, p in parts]
+    if narrowed and len(paths) > 1:
+        # A projected or filtered read decodes and selects in Arrow and numpy (the GIL
+        # released): two parts at a time, as `read_table_split` reads them. Results, and the
+        # first error, in part order.
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=SPLIT_READERS,
+                                thread_name_prefix="kvscope-part") as pool:
+            tables = list(pool.map(one, paths))
+    else:
+        tables = [one(p) for p in paths]
     if not tables:
         return _empty(schema), seqs
     return pa.concat_tables(tables), seqs
@@ -540,9 +553,10 @@ def read_table(path: Path, name: str, gaps: list[str], version: int = SCHEMA_VER
 def _read_whole(p: Path) -> pa.Table:
     """One part, every column: the file read directly, on this thread (a run holds hundreds
     of small parts; `pq.read_table` sets up a dataset scan and a thread pool for each, which
-    costs more than reading it)."""
+    costs more than reading it). A part of `THREADED_PART_ROWS` rows or more is decoded
+    with Arrow's thread pool, one column per thread."""
     with pq.ParquetFile(p) as f:
-        return f.read(use_threads=False)
+        return f.read(use_threads=f.metadata.num_rows >= THREADED_PART_ROWS)
 
 
 def _read_part(p: Path, name: str, schema: pa.Schema, version: int, row_filter: Any
@@ -552,11 +566,98 @@ def _read_part(p: Path, name: str, schema: pa.Schema, version: int, row_filter: 
     dictionary-encoded, so that the filter runs on codes and only the rows kept are turned
     into strings (`_conform` casts them back: the result is the same)."""
     with pq.ParquetFile(p) as f:
-        want = _projection(schema.names, set(f.schema_arrow.names), name, version)
+        have = set(f.schema_arrow.names)
+        want = _projection(schema.names, have, name, version)
         if row_filter is None:  # columns only: the file read directly (see `_read_whole`)
-            return f.read(columns=want, use_threads=False)
+            return f.read(columns=want, use_threads=f.metadata.num_rows >= THREADED_PART_ROWS)
+        dnf = _string_dnf(row_filter, name, have)
+        if dnf is not None:
+            return _read_dnf(p, f, name, want, dnf)
     strings = [c for c in want if pa.types.is_string(TABLES[name].field(c).type)]
     return pq.read_table(p, columns=want, filters=row_filter, read_dictionary=strings)
+
+
+#: DNF operators `_read_dnf` evaluates itself: each drops the rows whose column is null, as
+#: Arrow's comparison and ``is_in`` do (``not in`` keeps them: left to the dataset scan).
+_DNF_OPS = frozenset(("=", "==", "!=", "in"))
+
+_Dnf = list[list[tuple[str, str, frozenset[str]]]]
+
+
+def _string_dnf(row_filter: Any, name: str, have: set[str]) -> _Dnf | None:
+    """`row_filter` as a disjunction of conjunctions of ``(column, op, values)``, when it is
+    pyarrow's DNF list of `_DNF_OPS` predicates on string columns that table `name` and the
+    part both have (e.g. ``[("kind", "in", ["state", "activity"])]``); None otherwise (an
+    `Expression`, another operator or column type: the dataset scan evaluates it)."""
+    if not isinstance(row_filter, list) or not row_filter:
+        return None
+    conj = row_filter if all(isinstance(x, tuple) for x in row_filter) else None
+    groups = [conj] if conj is not None else row_filter
+    out: _Dnf = []
+    for group in groups:
+        if not isinstance(group, list) or not group:
+            return None
+        terms = []
+        for term in group:
+            if not (isinstance(term, tuple) and len(term) == 3):
+                return None
+            col, op, value = term
+            if (op not in _DNF_OPS or not isinstance(col, str) or col not in have
+                    or col not in TABLES[name].names
+                    or not pa.types.is_string(TABLES[name].field(col).type)):
+                return None
+            values = [value] if op != "in" else value
+            # (an empty set, which the dataset scan refuses, is left to it)
+            if (isinstance(values, str) or not isinstance(values, list | tuple | set | frozenset)
+                    or not values or not all(isinstance(v, str) for v in values)):
+                return None
+            terms.append((col, op, frozenset(values)))
+        out.append(terms)
+    return out
+
+
+def _read_dnf(p: Path, f: pq.ParquetFile, name: str, want: list[str], dnf: _Dnf) -> pa.Table:
+    """One part, projected to `want` and filtered by `dnf` (`_string_dnf`): the file read
+    directly with its string columns dictionary-encoded (as Parquet stores them), each
+    predicate evaluated once per dictionary value and its rows picked by their codes, then one
+    selection of the rows kept. The same rows and values as the dataset scan with the same
+    filter (`_conform` casts the dictionaries back to strings), at a fraction of its cost."""
+    cols = {c for group in dnf for c, _, _ in group}
+    read = [c for c in f.schema_arrow.names if c in cols or c in want]
+    strings = [c for c in read if pa.types.is_string(TABLES[name].field(c).type)]
+    with pq.ParquetFile(p, metadata=f.metadata, read_dictionary=strings) as g:
+        t = g.read(columns=read, use_threads=f.metadata.num_rows >= THREADED_PART_ROWS)
+    keep: Any = None
+    for group in dnf:
+        both: Any = None
+        for col, op, values in group:
+            m = _dictionary_mask(t[col], values, negate=op == "!=")
+            both = m if both is None else both & m
+        keep = both if keep is None else keep | both
+    return t.select(want).filter(_bool_array(keep))
+
+
+def _dictionary_mask(col: pa.ChunkedArray, values: frozenset[str], *, negate: bool) -> Any:
+    """Rows of a string column whose value is (`negate`: is not) one of `values`; null rows
+    never (numpy bool). Dictionary chunks are judged on their dictionaries."""
+    import numpy as np
+
+    out = []
+    for ch in col.chunks:
+        ok = (np.ones(len(ch), dtype=bool) if not ch.null_count
+              else ch.is_valid().to_numpy(zero_copy_only=False))
+        if pa.types.is_dictionary(ch.type):
+            hit = np.array([(v in values) != negate for v in ch.dictionary.to_pylist()]
+                           + [False])
+            codes = ch.indices
+            raw = np.frombuffer(codes.buffers()[1], dtype=f"<i{codes.type.bit_width // 8}",
+                                count=codes.offset + len(codes))[codes.offset:]
+            out.append(hit[np.where(ok, raw, len(hit) - 1)] if ch.null_count else hit[raw])
+        else:
+            vals = ch.to_pylist()
+            out.append(np.array([v is not None and (v in values) != negate for v in vals],
+                                dtype=bool))
+    return np.concatenate(out) if out else np.zeros(0, dtype=bool)
 
 
 #: Parts of at least this many rows are decoded with Arrow's thread pool (one column per
