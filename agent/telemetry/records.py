@@ -170,6 +170,61 @@ class OtherRecords:
         except Exception:
             self._error()
 
+    def ledgers(self, rows: Sequence[tuple[str, int, int | None, str | None, int, int, int, int,
+                                            int]]) -> None:
+        """Several ledger rows in one call (a transfer's or a step's): `rows[i]` is `ledger`'s
+        arguments in order, (name, request_num, t, tier, tokens, nbytes, block, transfer_id,
+        layer), `t` None for now (read once for the call). The same rows as `ledger` once per
+        row, in order; a bad row records none of them (every row is checked before the first
+        is published)."""
+        try:
+            names = self._names
+            t_now = -1
+            packed = []
+            for name, rn, t, tier, tokens, nbytes, block, transfer_id, layer in rows:
+                code = names.get(name)
+                if code is None:
+                    code = self.intern(name)
+                if t is None:
+                    if t_now < 0:
+                        t_now = self._clock()
+                    t = t_now
+                else:
+                    t = _index(t)
+                if not (-1 <= block <= I32_MAX and -1 <= layer <= I32_MAX):
+                    raise ValueError(f"block or layer out of range: {block}, {layer}")
+                packed.append((rn, code, t, t, -1 if tier is None else TIER_CODE[tier], layer,
+                               tokens, nbytes, transfer_id, CLOCK_CPU, KIND_LEDGER, block))
+            self._put_rows(packed)
+        except Exception:
+            self._error()
+
+    def _put_rows(self, rows: list[tuple[int, ...]]) -> None:
+        """Activity-buffer rows (`_ACT_COLS`), published together: as `_put_activity` once per
+        row, but a bad value raises before any of them is published."""
+        if _get_ident() != self._owner:
+            array("q", [v for row in rows for v in row])  # checked before the first is queued
+            for row in rows:
+                self._put_activity(row, row[0])
+            return
+        tbl = self._act
+        seg = tbl.active
+        i = seg.n
+        k = len(rows)
+        if i + k > seg.cap:
+            array("q", [v for row in rows for v in row])  # checked before the first store
+            for row in rows:
+                self._append(tbl, row)
+        else:
+            pack, buf, size = seg.pack, seg.buf, seg.row_bytes
+            for j, row in enumerate(rows):
+                pack(buf, (i + j) * size, *row)  # a bad value raises before any is published
+            seg.n = i + k
+        ids = self._ids
+        for row in rows:
+            if row[0] != -1 and row[0] not in ids:
+                self._count_unknown()
+
     def lookups(self, rn: int, probes: Sequence[tuple[str, int, int, int, int]],
                 block_size: int) -> None:
         """A request's arrival lookup, one call for every tier it asked: `probes[i]` is

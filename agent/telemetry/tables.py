@@ -111,11 +111,61 @@ def _request_words(nums: np.ndarray, ids: IdLookup) -> tuple[np.ndarray, list[st
     return remap[inverse.reshape(-1)], words
 
 
+
+# The string and list<int64> columns built from buffers, not by `pa.array` on Python lists:
+# `pa.array` probes a list with pandas' type checks and imports pandas (~0.4 s of CPU, tens of
+# MiB) on the first drain of a process, on the pipeline thread of `kvscope run`, which has no
+# other use for it. Anything these do not take as it is (a non-str word, a lone surrogate, a
+# value outside int64) goes through `pa.array`, which accepts or refuses it as before.
+
+
+def str_array(words: Sequence[Any]) -> pa.Array:
+    """`pa.array(words, pa.string())` for a list of str, built from one UTF-8 buffer."""
+    try:
+        if any(type(w) is not str for w in words):
+            raise TypeError
+        enc = [w.encode("utf-8") for w in words]
+    except (TypeError, UnicodeEncodeError):
+        return pa.array(words, _STR)
+    n = len(enc)
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(np.fromiter(map(len, enc), dtype=np.int64, count=n), out=offsets[1:])
+    if offsets[-1] > np.iinfo(np.int32).max:
+        return pa.array(words, _STR)
+    return pa.Array.from_buffers(_STR, n, [None, pa.py_buffer(offsets.astype(np.int32)),
+                                           pa.py_buffer(b"".join(enc))], null_count=0)
+
+
+def list_i64_array(values: Sequence[Sequence[int] | None]) -> pa.Array:
+    """`pa.array(values, pa.list_(pa.int64()))` for lists (or tuples) of ints and Nones, built
+    from an offsets, a validity and a values buffer."""
+    n = len(values)
+    try:
+        lens = np.fromiter((0 if v is None else len(v) for v in values), dtype=np.int64,
+                           count=n)
+        items = list(chain.from_iterable(v for v in values if v is not None))
+        if any(type(x) is not int for x in items):  # bools, floats, ...: pa.array's rules
+            raise TypeError
+        flat = np.array(items, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):
+        return pa.array(values, _LIST_I64)
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    if offsets[-1] > np.iinfo(np.int32).max:
+        return pa.array(values, _LIST_I64)
+    valid = np.fromiter((v is not None for v in values), dtype=bool, count=n)
+    nulls = n - int(valid.sum())
+    bitmap = None if not nulls else pa.py_buffer(np.packbits(valid, bitorder="little"))
+    child = pa.Array.from_buffers(_I64, len(flat), [None, pa.py_buffer(flat)], null_count=0)
+    return pa.Array.from_buffers(_LIST_I64, n, [bitmap, pa.py_buffer(offsets.astype(np.int32))],
+                                 null_count=nulls, children=[child])
+
+
 def request_ids(nums: np.ndarray, ids: IdLookup) -> pa.Array:
     """The request_id of every row (null for negative or unknown numbers), one lookup per
     distinct number."""
     codes, words = _request_words(nums, ids)
-    return _decode(codes, pa.array(words, _STR))
+    return _decode(codes, str_array(words))
 
 
 def _block(chunks: list[Chunk], ncols: int) -> np.ndarray:
@@ -172,7 +222,7 @@ def spans_table(state: list[Chunk], act: list[Chunk], step: list[Chunk], steps: 
     # names, tiers, clocks.
     rid, rid_words = _request_words(cols[_RN], ids)
     fixed = _fixed_words(tuple(names))
-    vocab = pa.array([*fixed, *rid_words], _STR)  # not valid UTF-8: raises, as before
+    vocab = str_array([*fixed, *rid_words])  # not valid UTF-8: raises, as before
     request_id, kind, name, tier, clock = _strings(
         np.stack([rid, cols[_KIND], cols[_NAME], cols[_TIER], cols[_CLOCK]]),
         [len(fixed), 0, len(_SPAN_KINDS), len(_SPAN_KINDS) + len(names),
@@ -196,7 +246,7 @@ def spans_table(state: list[Chunk], act: list[Chunk], step: list[Chunk], steps: 
     return pa.Table.from_arrays([
         request_id, rn, kind, name, start, end, tier, layer, tokens, nbytes, step_id, transfer,
         pa.nulls(n, _LIST_I64) if waits is None
-        else pa.array(waits + [None] * (n - ns), _LIST_I64),
+        else list_i64_array(waits + [None] * (n - ns)),
         clock, batch, block], schema=SPANS_SCHEMA)
 
 
@@ -273,10 +323,10 @@ def requests_table(rows: list[tuple[Any, ...]], off: int) -> pa.Table:
     codes = np.stack([_coded([r[i] for r in rows], words)
                       for i in (*_REQ_STRINGS, _REQ_HEAD + k)])
     rid, tenant, wclass, status, digest = _strings(
-        codes, [0] * 5, pa.array(words, _STR))
+        codes, [0] * 5, str_array(words))
     ids = [r[-1] for r in rows]
     out_ids = (pa.nulls(n, _LIST_I64) if all(x is None for x in ids)
-               else pa.array([None if x is None else x.tolist() for x in ids], _LIST_I64))
+               else list_i64_array([None if x is None else x.tolist() for x in ids]))
     return pa.Table.from_arrays(
         [rid, num, tenant, wclass, arrival, first, finish, status, *_ints(_I64, acct), digest,
          out_ids], schema=REQUESTS_SCHEMA)
@@ -360,7 +410,7 @@ def _utf8(word: Any) -> str:
 def _sample_vocab(words: tuple[str, ...]) -> pa.Array:
     """The string array of a samples table's words (mostly the same few from drain to
     drain)."""
-    return pa.array([_utf8(w) for w in words], _STR)
+    return str_array([_utf8(w) for w in words])
 
 
 #: The pool samples of one `engine_step` row: (entity, metric) codes of its six counts.

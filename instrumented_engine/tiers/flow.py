@@ -331,25 +331,28 @@ class TierFlow:
         if rec is None:
             return
         rn, bs, pb = req.request_num, self.bs, self.layout.payload_bytes
-        start = hit
-        for i in range(hit, hit + n + 1):
-            if i == hit + n or (i > start and self._origin(plan, i)
-                                != self._origin(plan, start)):
-                if i > start:
-                    k = i - start
-                    tier = self._origin(plan, start)
-                    rec.ledger("load", rn, t=t, tier=tier, tokens=k * bs,
-                               nbytes=k * pb if tier == "host" else 0, block=start,
-                               transfer_id=tid)
-                start = i
+        # The admission's rows in one recorder call, in the order `ledger` would record them.
+        rows: list[tuple[str, int, int | None, str | None, int, int, int, int, int]] = []
+        if n:
+            origin = self._origin
+            tiers = [origin(plan, i) for i in range(hit, hit + n)]
+            start = 0
+            for j in range(1, n + 1):
+                if j == n or tiers[j] != tiers[start]:
+                    k = j - start
+                    tier = tiers[start]
+                    rows.append(("load", rn, t, tier, k * bs, k * pb if tier == "host" else 0,
+                                 hit + start, tid, -1))
+                    start = j
         failed, reason = self._failure(plan, hit + n)
         if failed:
             first = max(hit + n, plan.promised_dev)
             lo, hi = plan.remote_lo, plan.remote_hi
             for tier, a, b in (("host", first, min(lo, hi)), ("remote", max(first, lo), hi)):
                 if b > a:
-                    rec.ledger(f"failed_{reason}", rn, t=t, tier=tier, tokens=(b - a) * bs,
-                               block=a)
+                    rows.append((f"failed_{reason}", rn, t, tier, (b - a) * bs, -1, a, -1, -1))
+        if rows:
+            rec.ledgers(rows)
 
     # ------------------------------------------------------------------ the step
     def before_forward(self, reqs: list[Request]) -> Callable[[int], None] | None:
@@ -398,6 +401,9 @@ class TierFlow:
             return
         pb, ob = self.layout.payload_bytes, self.layout.object_bytes
         rec = self.rec
+        # The step's `write` ledger rows, recorded in one call after the loop (nothing in it
+        # records on this thread, so they keep their order).
+        rows: list[tuple[str, int, int | None, str | None, int, int, int, int, int]] = []
         for req, n in zip(reqs, num_new, strict=True):
             plan = req.tier
             if plan is None:
@@ -417,10 +423,11 @@ class TierFlow:
             if queued and rec is not None:
                 for tier, nbytes, on in (("host", pb, writer.host), ("remote", ob, writer.remote)):
                     if on is not None:
-                        rec.ledger("write", req.request_num, tier=tier,
-                                   tokens=queued * self.bs, nbytes=queued * nbytes,
-                                   block=plan.stored)
+                        rows.append(("write", req.request_num, None, tier, queued * self.bs,
+                                     queued * nbytes, plan.stored, -1, -1))
             plan.stored = max(plan.stored, full)
+        if rows:
+            rec.ledgers(rows)
 
     # ------------------------------------------------------------------ status
     def host_pool(self) -> PoolStatus | None:
