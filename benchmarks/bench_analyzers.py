@@ -55,7 +55,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from benchstats import load_average, median_interval
+from benchstats import child_env, load_average, median_interval
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -262,10 +262,17 @@ def _same_outputs(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return bad
 
 
+def _child_env(store: Path) -> dict[str, str]:
+    """Every timed child's environment: both sides' modules from one bytecode cache beside the
+    store (`benchstats.child_env`), filled by the warm-up runs."""
+    return child_env(store.parent / "pycache")
+
+
 def _run_child(kind: str, run: Path) -> tuple[float, dict[str, Any]]:
     t0 = time.perf_counter()
     res = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", kind,
-                          "--run", str(run)], check=True, capture_output=True, text=True)
+                          "--run", str(run)], check=True, capture_output=True, text=True,
+                         env=_child_env(run))
     return time.perf_counter() - t0, json.loads(res.stdout)
 
 
@@ -551,7 +558,8 @@ def _measure_duckdb(store: Path, n_spans: int, pairs: int, accounting: list[str]
         t0 = time.perf_counter()
         res = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child",
                               "duckdb", "--run", str(store), "--accounting",
-                              ",".join(accounting)], check=True, capture_output=True, text=True)
+                              ",".join(accounting)], check=True, capture_output=True, text=True,
+                             env=_child_env(store))
         return time.perf_counter() - t0, json.loads(res.stdout)
 
     _, ours = _run_child("kvscope", store)  # warm-up, and the answers compared
@@ -591,7 +599,7 @@ def _measure_full(store: Path, n_spans: int, reps: int) -> None:
         t0 = time.perf_counter()
         subprocess.run([sys.executable, "-m", "kvscope.cli", "analyze", str(store), "--format",
                         "json", "-o", os.devnull], check=True, cwd=ROOT,
-                       stderr=subprocess.DEVNULL)
+                       stderr=subprocess.DEVNULL, env=_child_env(store))
         secs.append(time.perf_counter() - t0)
     med = statistics.median(secs)
     print(f"2. kvscope analyze RUN --format json, whole process (the full report): "

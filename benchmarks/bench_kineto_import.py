@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from benchstats import median_interval
+from benchstats import child_env, median_interval
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data" / "kineto"
@@ -84,14 +84,9 @@ def _proc(argv: list[str], env: dict[str, str]) -> Callable[[], object]:
 
 
 def _child_env(work: Path) -> dict[str, str]:
-    """The environment of the timed processes: both sides' modules load from bytecode caches
-    (one folder for both, filled by the warm-up runs), as an installed package's do. With
-    PYTHONDONTWRITEBYTECODE set (this workplace sets it), kvscope's source-tree modules would
-    be compiled in every process while HTA's come from site-packages' caches."""
-    env = dict(os.environ)
-    env.pop("PYTHONDONTWRITEBYTECODE", None)
-    env["PYTHONPYCACHEPREFIX"] = str(work / "pycache")
-    return env
+    """The environment of the timed processes: both sides' modules from one bytecode cache
+    (`benchstats.child_env`), filled by the warm-up runs."""
+    return child_env(work / "pycache")
 
 
 def _rounds(fns: list[Callable[[], object]], repeats: int) -> list[list[float]]:

@@ -50,3 +50,14 @@ def t975(df: int) -> float:
 def mean_ci(xs: list[float]) -> tuple[float, float]:
     """Mean and the half-width of its 95 % confidence interval."""
     return statistics.fmean(xs), t975(len(xs) - 1) * statistics.stdev(xs) / len(xs) ** 0.5
+
+
+def child_env(cache_dir: str | os.PathLike[str]) -> dict[str, str]:
+    """The environment for a benchmark's timed child processes: modules load from bytecode
+    caches (all in `cache_dir`, filled by the warm-up runs), as an installed package's do.
+    With PYTHONDONTWRITEBYTECODE set (this workplace sets it) a source tree's modules would be
+    compiled in every process, while a baseline's site-packages load precompiled."""
+    env = dict(os.environ)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env["PYTHONPYCACHEPREFIX"] = str(cache_dir)
+    return env
