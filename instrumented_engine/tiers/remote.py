@@ -141,9 +141,10 @@ class _Call:
     `claim` is taken by whoever gets to decide first: the worker when it starts the call, or
     the caller cancelling it at its deadline before it started. `done` is held until the call
     finished (or was cancelled by `shutdown`); `future` is set by a caller that stopped
-    waiting while the call runs, and completed by the worker when it finishes."""
+    waiting while the call runs, and completed by the worker when it finishes; `cancelled` is
+    set (under the pool's lock) when `shutdown` cancels the call before it started."""
 
-    __slots__ = ("claim", "done", "error", "finished", "fn", "future", "value")
+    __slots__ = ("cancelled", "claim", "done", "error", "finished", "fn", "future", "value")
 
     def __init__(self, fn: Callable[[], Any]) -> None:
         self.fn: Callable[[], Any] | None = fn
@@ -153,6 +154,7 @@ class _Call:
         self.value: Any = None
         self.error: BaseException | None = None
         self.finished = False
+        self.cancelled = False
         self.future: Future[Any] | None = None
 
 
@@ -179,6 +181,7 @@ class _Workers:
         call = _Call(fn)
         if self._closed:  # shut down: cancelled at once, as a queued call is at shutdown
             call.claim.acquire()
+            call.cancelled = True
             self._cancel(call)
             return call
         try:
@@ -225,6 +228,8 @@ class _Workers:
         fut: Future[Any] = Future()
         fut.set_running_or_notify_cancel()
         with self._lock:
+            if call.cancelled:  # `shutdown` claimed it first: it never runs either
+                return None
             if not call.finished:
                 call.future = fut
                 return fut
@@ -245,7 +250,14 @@ class _Workers:
             except Empty:
                 break
             if call is not None and call.claim.acquire(False):
+                with self._lock:
+                    call.cancelled = True
+                    # An `abandon` between our claim and this lock saw neither flag and
+                    # handed its caller a future: it completes here (as cancelled).
+                    fut = call.future
                 self._cancel(call)
+                if fut is not None:
+                    fut.set_exception(CancelledError())
         _stop(self._queue, n)
 
 
@@ -426,7 +438,9 @@ class ResilientRemote:
         return None, reason, None
 
     def _late(self, fut: Future[Any]) -> None:
-        if not fut.cancelled():
+        # A call `shutdown` cancelled before it started completes its future with
+        # CancelledError: it never ran, so it is no late completion.
+        if not fut.cancelled() and not isinstance(fut.exception(), CancelledError):
             self.stats.add("late_completions")
 
     def _span(self, name: str, t0: int, t1: int, tokens: int, nbytes: int,

@@ -177,3 +177,37 @@ def test_a_pool_never_shut_down_stops_its_threads_when_it_goes() -> None:
     gc.collect()
     threads[0].join(10)
     assert not threads[0].is_alive()
+
+
+def test_a_call_cancelled_by_shutdown_is_abandoned_without_a_future() -> None:
+    """A caller whose deadline passed on a queued call that `shutdown` then cancelled gets no
+    future (the call never runs, so no future would ever complete), as a call cancelled at
+    its deadline does."""
+    w = _Workers(1, "t")
+    gate = threading.Event()
+    w.submit(gate.wait)
+    queued = w.submit(lambda: 42)
+    with pytest.raises(FutureTimeout):
+        w.wait(queued, 0.01)
+    w.shutdown()
+    assert w.abandon(queued) is None
+    gate.set()
+
+
+def test_a_future_handed_out_before_shutdown_cancels_the_call_completes() -> None:
+    """The window between `shutdown` claiming a queued call and marking it cancelled: an
+    `abandon` in it hands out a future, which `shutdown` completes as cancelled (buffers
+    free, no late completion)."""
+    w = _Workers(1, "t")
+    gate = threading.Event()
+    w.submit(gate.wait)
+    queued = w.submit(lambda: 42)
+    with pytest.raises(FutureTimeout):
+        w.wait(queued, 0.01)
+    queued.claim.acquire()  # as shutdown's claim, just before it marks the call
+    fut = w.abandon(queued)
+    assert fut is not None and not fut.done()
+    queued.claim.release()
+    w.shutdown()
+    assert fut.done() and isinstance(fut.exception(), CancelledError)
+    gate.set()
