@@ -10,6 +10,7 @@ import threading
 from concurrent.futures import CancelledError
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -179,16 +180,23 @@ def test_a_pool_never_shut_down_stops_its_threads_when_it_goes() -> None:
     assert not threads[0].is_alive()
 
 
-def test_a_call_cancelled_by_shutdown_is_abandoned_without_a_future() -> None:
-    """A caller whose deadline passed on a queued call that `shutdown` then cancelled gets no
-    future (the call never runs, so no future would ever complete), as a call cancelled at
-    its deadline does."""
+def _queued_past_deadline() -> tuple[_Workers, threading.Event, Any]:
+    """A one-thread pool busy until the event is set, and a call queued behind it whose
+    caller's deadline has passed."""
     w = _Workers(1, "t")
     gate = threading.Event()
     w.submit(gate.wait)
     queued = w.submit(lambda: 42)
     with pytest.raises(FutureTimeout):
         w.wait(queued, 0.01)
+    return w, gate, queued
+
+
+def test_a_call_cancelled_by_shutdown_is_abandoned_without_a_future() -> None:
+    """A caller whose deadline passed on a queued call that `shutdown` then cancelled gets no
+    future (the call never runs, so no future would ever complete), as a call cancelled at
+    its deadline does."""
+    w, gate, queued = _queued_past_deadline()
     w.shutdown()
     assert w.abandon(queued) is None
     gate.set()
@@ -198,12 +206,7 @@ def test_a_future_handed_out_before_shutdown_cancels_the_call_completes() -> Non
     """The window between `shutdown` claiming a queued call and marking it cancelled: an
     `abandon` in it hands out a future, which `shutdown` completes as cancelled (buffers
     free, no late completion)."""
-    w = _Workers(1, "t")
-    gate = threading.Event()
-    w.submit(gate.wait)
-    queued = w.submit(lambda: 42)
-    with pytest.raises(FutureTimeout):
-        w.wait(queued, 0.01)
+    w, gate, queued = _queued_past_deadline()
     queued.claim.acquire()  # as shutdown's claim, just before it marks the call
     fut = w.abandon(queued)
     assert fut is not None and not fut.done()
