@@ -399,6 +399,13 @@ def test_in_process_agent_http_gzip_404_drops_and_otlp(tmp_path):
                                  disable=("nvml", "rdma", "host")))
     try:
         node.start()
+        # The first collection runs on the NIC collector's thread (fixed cadence with --out):
+        # the scrape below must come after it, or it and the renders after it see different
+        # snapshots.
+        deadline = time.monotonic() + 30
+        while b"kvscope_nic_receive_bytes_total{" not in node.render():
+            assert time.monotonic() < deadline, "the first NIC collection never finished"
+            time.sleep(0.01)
         host, port = node.address
         assert host == "127.0.0.1"
         conn = http.client.HTTPConnection(host, port, timeout=10)
