@@ -155,20 +155,26 @@ class OtherRecords:
         copied from the accounting counters.
         """
         try:
-            code = self._names.get(name)
-            if code is None:
-                code = self.intern(name)
-            tcode = -1 if tier is None else TIER_CODE[tier]
-            if not -1 <= block <= I32_MAX:
-                raise ValueError(f"block out of range: {block}")
             t = self._clock() if t is None else _index(t)
-            if not -1 <= layer <= I32_MAX:
-                raise ValueError(f"layer out of range: {layer}")
-            row = (request_num, code, t, t, tcode, layer, tokens, nbytes, transfer_id,
-                   CLOCK_CPU, KIND_LEDGER, block)
-            self._put_activity(row, request_num)
+            self._put_activity(self._ledger_row(name, request_num, t, tier, tokens, nbytes,
+                                                block, transfer_id, layer), request_num)
         except Exception:
             self._error()
+
+    def _ledger_row(self, name: str, rn: int, t: int, tier: str | None, tokens: int,
+                    nbytes: int, block: int, transfer_id: int, layer: int) -> tuple[int, ...]:
+        """The activity-buffer row (`_ACT_COLS`) of one ledger row at `t`; raises on a bad
+        value."""
+        code = self._names.get(name)
+        if code is None:
+            code = self.intern(name)
+        tcode = -1 if tier is None else TIER_CODE[tier]
+        if not -1 <= block <= I32_MAX:
+            raise ValueError(f"block out of range: {block}")
+        if not -1 <= layer <= I32_MAX:
+            raise ValueError(f"layer out of range: {layer}")
+        return (rn, code, t, t, tcode, layer, tokens, nbytes, transfer_id, CLOCK_CPU,
+                KIND_LEDGER, block)
 
     def ledgers(self, rows: Sequence[tuple[str, int, int | None, str | None, int, int, int, int,
                                             int]]) -> None:
@@ -178,23 +184,16 @@ class OtherRecords:
         row, in order; a bad row records none of them (every row is checked before the first
         is published)."""
         try:
-            names = self._names
             t_now = -1
             packed = []
-            for name, rn, t, tier, tokens, nbytes, block, transfer_id, layer in rows:
-                code = names.get(name)
-                if code is None:
-                    code = self.intern(name)
+            for name, rn, t, *rest in rows:
                 if t is None:
                     if t_now < 0:
                         t_now = self._clock()
                     t = t_now
                 else:
                     t = _index(t)
-                if not (-1 <= block <= I32_MAX and -1 <= layer <= I32_MAX):
-                    raise ValueError(f"block or layer out of range: {block}, {layer}")
-                packed.append((rn, code, t, t, -1 if tier is None else TIER_CODE[tier], layer,
-                               tokens, nbytes, transfer_id, CLOCK_CPU, KIND_LEDGER, block))
+                packed.append(self._ledger_row(name, rn, t, *rest))
             self._put_rows(packed)
         except Exception:
             self._error()
