@@ -13,7 +13,9 @@ Single-token requests (decodes) are attended in one padded batch; padding is rea
 keys) and never writes KV. Longer chunks (prefills) are attended one request at a time. A chunk
 that follows a prefix (cached blocks, or earlier chunks of its prompt) is split: every query sees
 every prefix key, so that part is unmasked attention; the chunk's own keys are plain causal
-attention. Both parts return their log-sum-exp and are merged exactly: with partial outputs
+attention. A prefix whose slots are one ascending run (its blocks consecutive in the pool, as a
+prefix cached by one earlier request usually is) is read as a view of the pool; any other is
+gathered. Both parts return their log-sum-exp and are merged exactly: with partial outputs
 o1, o2 and log-sum-exps l1, l2, the full softmax output is o2 + (o1 - o2) * sigmoid(l1 - l2)
 (one fused lerp, written straight into the step's output rows).
 No dense mask is built and no masked-out score is computed. Where the split does not apply (a
@@ -43,6 +45,9 @@ class AttentionMetadata:
             needed: plain causal attention over the chunk after `prefill_prefix` unmasked keys.
         prefill_prefix: per multi-token request, the context keys before the chunk that every
             query sees (0: the chunk is the whole context); only read where the mask is None.
+        prefill_prefix_start: per multi-token request, the first slot of that prefix when its
+            slots are one ascending run (the pool's slots start..start + prefix - 1, read as a
+            view), else -1 (gathered through `prefill_ctx_slots`).
         decode_rows: (D,) flat rows of single-token requests.
         decode_ctx_slots: (D, max_ctx) slots of each decode's context, padded with slot 0.
         decode_mask: (D, 1, 1, max_ctx) bool, True where a key is real.
@@ -53,6 +58,7 @@ class AttentionMetadata:
     prefill_ctx_slots: list[torch.Tensor]
     prefill_masks: list[torch.Tensor | None]
     prefill_prefix: list[int]
+    prefill_prefix_start: list[int]
     decode_rows: torch.Tensor | None
     decode_ctx_slots: torch.Tensor | None
     decode_mask: torch.Tensor | None
@@ -96,6 +102,7 @@ def build_metadata(
     prefill_slots: list[torch.Tensor] = []
     prefill_masks: list[torch.Tensor | None] = []
     prefill_prefix: list[int] = []
+    prefill_start: list[int] = []
     dec_rows: list[int] = []
     dec_slots: list[np.ndarray] = []
     row = 0
@@ -117,9 +124,12 @@ def build_metadata(
             unwindowed = window is None or ctx <= window
             if unwindowed and (n == ctx or split_prefix):
                 prefill_masks.append(None)
-                prefill_prefix.append(ctx - n)
+                pre = ctx - n
+                prefill_prefix.append(pre)
+                prefill_start.append(_run_start(blocks, pre, block_size))
             else:
                 prefill_prefix.append(0)
+                prefill_start.append(-1)
                 # Query j sits at position ctx - n + j and sees keys lo..ctx - n + j (within
                 # the window, when there is one).
                 q_pos = np.arange(ctx - n, ctx)[:, None]
@@ -132,7 +142,7 @@ def build_metadata(
     slot_mapping = torch.from_numpy(np.concatenate(new_slots)).to(device)
     if not dec_rows:
         return AttentionMetadata(slot_mapping, prefill_rows, prefill_slots, prefill_masks,
-                                 prefill_prefix, None, None, None)
+                                 prefill_prefix, prefill_start, None, None, None)
     lens = np.array([len(s) for s in dec_slots])
     max_ctx = int(lens.max())
     padded = np.zeros((len(dec_slots), max_ctx), dtype=np.int64)  # pad with slot 0: read only
@@ -140,9 +150,22 @@ def build_metadata(
         padded[i, : len(s)] = s
     mask = (np.arange(max_ctx)[None, :] < lens[:, None])[:, None, None, :]  # (D, 1, 1, max_ctx)
     return AttentionMetadata(slot_mapping, prefill_rows, prefill_slots, prefill_masks,
-                             prefill_prefix, torch.tensor(dec_rows, device=device),
+                             prefill_prefix, prefill_start, torch.tensor(dec_rows, device=device),
                              torch.from_numpy(padded).to(device),
                              torch.from_numpy(mask).to(device))
+
+
+def _run_start(blocks: np.ndarray, prefix: int, block_size: int) -> int:
+    """The first slot of the first `prefix` context slots when they are one ascending run
+    (the blocks holding them are consecutive ids), else -1; -1 for an empty prefix. `blocks`
+    are the context's blocks from its first token on (no window)."""
+    nb = -(-prefix // block_size)
+    if nb == 0:
+        return -1
+    head = blocks[:nb]
+    if nb > 1 and not bool((np.diff(head) == 1).all()):
+        return -1
+    return int(head[0]) * block_size
 
 
 #: Flash attention on the CPU, returning (output, log-sum-exp): the output equals SDPA's, and the
@@ -239,8 +262,9 @@ def paged_attention(
     k_flat.index_copy_(0, meta.slot_mapping, k)
     v_flat.index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
-    for (lo, hi), slots, mask, pre in zip(meta.prefill_rows, meta.prefill_ctx_slots,
-                                          meta.prefill_masks, meta.prefill_prefix, strict=True):
+    for (lo, hi), slots, mask, pre, start in zip(meta.prefill_rows, meta.prefill_ctx_slots,
+                                                 meta.prefill_masks, meta.prefill_prefix,
+                                                 meta.prefill_prefix_start, strict=True):
         qs = q[lo:hi].transpose(0, 1).unsqueeze(0)  # (1, nh, n, hd)
         dst = out[lo:hi].transpose(0, 1).unsqueeze(0)  # (1, nh, n, hd) view of the output
         if mask is None:
@@ -249,10 +273,15 @@ def paged_attention(
             kn = k[lo:hi].transpose(0, 1).unsqueeze(0)  # (1, nkv, n, hd)
             vn = v[lo:hi].transpose(0, 1).unsqueeze(0)
             if pre > 0:
-                # Unmasked over the prefix, causal over the chunk, merged by log-sum-exp.
-                pslots = slots[:pre]
-                kp = k_flat.index_select(0, pslots).transpose(0, 1).unsqueeze(0)
-                vp = v_flat.index_select(0, pslots).transpose(0, 1).unsqueeze(0)
+                # Unmasked over the prefix, causal over the chunk, merged by log-sum-exp. A
+                # prefix in one run of slots is read in place (the kernels take strided K/V).
+                if start >= 0:
+                    kp = k_flat[start:start + pre].transpose(0, 1).unsqueeze(0)
+                    vp = v_flat[start:start + pre].transpose(0, 1).unsqueeze(0)
+                else:
+                    pslots = slots[:pre]
+                    kp = k_flat.index_select(0, pslots).transpose(0, 1).unsqueeze(0)
+                    vp = v_flat.index_select(0, pslots).transpose(0, 1).unsqueeze(0)
                 o_pre, lse_pre = attention_with_lse(qs, kp, vp, False)
                 o_new, lse_new = attention_with_lse(qs, kn, vn, True)
                 merge_by_lse(o_pre, lse_pre, o_new, lse_new, out=dst)
