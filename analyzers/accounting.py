@@ -20,6 +20,7 @@ import numpy as np
 from agent.schema import ACCOUNTING_COLUMNS, LOAD_FAIL_REASONS, TOKEN_SOURCES
 from analyzers import frames as F
 from analyzers.ratios import Ratio
+from analyzers.ttft_summary import build_frame
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -113,10 +114,16 @@ def token_accounting(requests: pd.DataFrame, by: str | Sequence[str] | None = No
     F.require_columns(requests, ("request_id", "first_token_ns"), "requests")
     served = _served(requests)
     given = {c: requests[c] for c in ACCOUNTING_COLUMNS if c in requests}  # each looked up once
-    full = {c: (F.ints(given[c], 0) if c in given else np.zeros(len(requests), np.int64))
-            for c in ACCOUNTING_COLUMNS}  # `_matrix`
-    cols = {c: v[served] for c, v in full.items()}
-    tot = {c: int(v.sum()) for c, v in cols.items()}
+    # `_matrix` as one int64 matrix, a row per accounting column (absent ones 0): one mask,
+    # one sum and one sign test for all of them.
+    mat = np.zeros((len(ACCOUNTING_COLUMNS), len(requests)), dtype=np.int64)
+    for i, c in enumerate(ACCOUNTING_COLUMNS):
+        if c in given:
+            mat[i] = F.ints(given[c], 0)
+    full = dict(zip(ACCOUNTING_COLUMNS, mat, strict=True))
+    smat = mat if served.all() else mat[:, served]
+    cols = dict(zip(ACCOUNTING_COLUMNS, smat, strict=True))
+    tot = dict(zip(ACCOUNTING_COLUMNS, smat.sum(axis=1).tolist(), strict=True))
     unknown = _unknown_columns(given, served)
     n = int(served.sum())
     reused = cols["device_hit_tokens"] + cols["host_loaded_tokens"] + cols["remote_loaded_tokens"]
@@ -199,14 +206,15 @@ def token_accounting(requests: pd.DataFrame, by: str | Sequence[str] | None = No
         without_first_token=len(requests) - n,
         totals={c: v for c, v in tot.items() if c not in unknown},
         ratios=ratios,
-        tiers=_tiers(cols),
-        failures=pd.DataFrame({
-            "reason": list(LOAD_FAIL_REASONS),
-            "tokens": [tot[f"load_failed_{r}_tokens"] for r in LOAD_FAIL_REASONS],
-            "requests": [int((cols[f"load_failed_{r}_tokens"] > 0).sum())
-                         for r in LOAD_FAIL_REASONS],
-        }),
-        identity_violations=_identity(requests, full, served),
+        tiers=_tiers(cols, tot),
+        failures=build_frame({
+            "reason": LOAD_FAIL_REASONS,
+            "tokens": np.array([tot[f"load_failed_{r}_tokens"] for r in LOAD_FAIL_REASONS],
+                               dtype=np.int64),
+            "requests": np.array([int((cols[f"load_failed_{r}_tokens"] > 0).sum())
+                                  for r in LOAD_FAIL_REASONS], dtype=np.int64),
+        }, len(LOAD_FAIL_REASONS)),
+        identity_violations=_identity(requests, full, served, mat),
         groups=None if by is None else _groups(requests.loc[served], by),
     )
 
@@ -252,36 +260,47 @@ def _unknown_columns(given: dict[str, pd.Series], served: np.ndarray) -> set[str
     some = bool(served.any())
     for c in ACCOUNTING_COLUMNS:
         col = given.get(c)
-        if col is None or (some and not F.valid(col)[served].any()):
+        if col is None or (some and not _null_free(col) and not F.valid(col)[served].any()):
             out.add(c)
     return out
 
 
-def _tiers(cols: dict[str, np.ndarray]) -> pd.DataFrame:
+def _null_free(col: pd.Series) -> bool:
+    """A numpy integer or boolean column: it cannot hold a null."""
+    return isinstance(col.dtype, np.dtype) and col.dtype.kind in "iub"
+
+
+def _tiers(cols: dict[str, np.ndarray], tot: dict[str, int]) -> pd.DataFrame:
     """Per tier: promised (planned at admission), found (loaded at positions no lookup
     promised it), loaded (found included), shortfall = promised - (loaded - found): promised
     tokens the tier did not supply (failed loads, or served by another tier). Device: its
-    hits at admission, so no shortfall."""
-    dev = cols["device_hit_tokens"]
-    zero = np.zeros_like(dev)
-    promised = [dev, cols["host_hit_tokens"], cols["remote_hit_tokens"]]
-    found = [zero, cols["host_found_tokens"], cols["remote_found_tokens"]]
-    loaded = [dev, cols["host_loaded_tokens"], cols["remote_loaded_tokens"]]
-    read = [zero, cols["host_read_bytes"], cols["remote_read_bytes"]]
-    written = [zero, cols["host_written_bytes"], cols["remote_written_bytes"]]
-    return pd.DataFrame({
-        "tier": ["device", "host", "remote"],
-        "promised_tokens": [int(p.sum()) for p in promised],
-        "found_tokens": [int(f.sum()) for f in found],
-        "loaded_tokens": [int(x.sum()) for x in loaded],
+    hits at admission, so no shortfall. `tot`: the columns' int64 sums over `cols`' rows."""
+    promised = [tot["device_hit_tokens"], tot["host_hit_tokens"], tot["remote_hit_tokens"]]
+    found = [0, tot["host_found_tokens"], tot["remote_found_tokens"]]
+    loaded = [tot["device_hit_tokens"], tot["host_loaded_tokens"], tot["remote_loaded_tokens"]]
+    loaded_cols = ("device_hit_tokens", "host_loaded_tokens", "remote_loaded_tokens")
+
+    def sums(values: list[int]) -> np.ndarray:
+        return np.array(values, dtype=np.int64)
+
+    return build_frame({
+        "tier": ("device", "host", "remote"),
+        "promised_tokens": sums(promised),
+        "found_tokens": sums(found),
+        "loaded_tokens": sums(loaded),
         # Never negative when the counts are right (the consistency check holds it); not
-        # clamped, so a wrong count shows.
-        "shortfall_tokens": [int((p - (x - f)).sum())
-                             for p, x, f in zip(promised, loaded, found, strict=True)],
-        "read_bytes": [int(x.sum()) for x in read],
-        "written_bytes": [int(x.sum()) for x in written],
-        "requests_loading": [int((x > 0).sum()) for x in loaded],
-    })
+        # clamped, so a wrong count shows. The int64 sum of the per-request differences.
+        "shortfall_tokens": sums([_wrap64(p - (x - f))
+                                  for p, x, f in zip(promised, loaded, found, strict=True)]),
+        "read_bytes": sums([0, tot["host_read_bytes"], tot["remote_read_bytes"]]),
+        "written_bytes": sums([0, tot["host_written_bytes"], tot["remote_written_bytes"]]),
+        "requests_loading": sums([int(np.count_nonzero(cols[c] > 0)) for c in loaded_cols]),
+    }, 3)
+
+
+def _wrap64(v: int) -> int:
+    """`v` as int64 arithmetic has it (modulo 2**64, signed)."""
+    return (v + 2**63) % 2**64 - 2**63
 
 
 def _groups(served: pd.DataFrame, by: str | Sequence[str]) -> pd.DataFrame:
@@ -318,14 +337,19 @@ def check_identity(requests: pd.DataFrame) -> pd.DataFrame:
     return _identity(requests, _matrix(requests), _served(requests))
 
 
-def _identity(requests: pd.DataFrame, cols: dict[str, np.ndarray], served: np.ndarray
-              ) -> pd.DataFrame:
-    """`check_identity` on already extracted columns (one row per request)."""
+def _identity(requests: pd.DataFrame, cols: dict[str, np.ndarray], served: np.ndarray,
+              mat: np.ndarray | None = None) -> pd.DataFrame:
+    """`check_identity` on already extracted columns (one row per request; `mat`: the same
+    columns as the rows of one matrix, in `ACCOUNTING_COLUMNS` order)."""
     sources = sum(cols[c] for c in _SOURCE_COLUMNS)
     reasons = sum(cols[f"load_failed_{r}_tokens"] for r in LOAD_FAIL_REASONS)
-    negative = np.zeros(len(requests), dtype=np.int64)
-    for c in ACCOUNTING_COLUMNS:
-        negative += cols[c] < 0
+    if mat is not None:
+        negative = (np.zeros(mat.shape[1], dtype=np.int64) if mat.size == 0 or mat.min() >= 0
+                    else np.count_nonzero(mat < 0, axis=0).astype(np.int64, copy=False))
+    else:
+        negative = np.zeros(len(requests), dtype=np.int64)
+        for c in ACCOUNTING_COLUMNS:
+            negative += cols[c] < 0
     prompt = cols["prompt_tokens"]
     checks = [
         ("prompt = device_hit + host_loaded + remote_loaded + recomputed", served,
@@ -345,10 +369,10 @@ def _identity(requests: pd.DataFrame, cols: dict[str, np.ndarray], served: np.nd
             frames.append(pd.DataFrame({"request_id": ids, "check": name,
                                         "expected": expected[bad], "actual": actual[bad]}))
     if not frames:
-        return pd.DataFrame({"request_id": pd.Series([], dtype=object),
-                             "check": pd.Series([], dtype=object),
-                             "expected": pd.Series([], dtype=np.int64),
-                             "actual": pd.Series([], dtype=np.int64)})
+        return build_frame({"request_id": np.array([], dtype=object),
+                            "check": np.array([], dtype=object),
+                            "expected": np.array([], dtype=np.int64),
+                            "actual": np.array([], dtype=np.int64)}, 0)
     return pd.concat(frames, ignore_index=True)
 
 

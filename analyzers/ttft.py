@@ -17,10 +17,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from agent.errors import InputError
 from agent.intervals import (
@@ -29,11 +30,11 @@ from agent.intervals import (
     nested_union_lengths,
     priority_partition,
 )
-from agent.schema import SPAN_KINDS, TTFT_STAGES
+from agent.schema import TTFT_STAGES
 from analyzers import frames as F
 
 # The summaries live in their own module; re-exported here as part of the ttft API.
-from analyzers.ttft_summary import TTFTSummary, summarize
+from analyzers.ttft_summary import TTFTSummary, build_frame, summarize
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -73,7 +74,6 @@ HIT_CLASSES: tuple[str, ...] = ("cold", "partial", "full")
 
 _K = len(TTFT_STAGES)
 _QUEUE = TTFT_STAGES.index("queue")
-_STATE, _ACTIVITY = SPAN_KINDS.index("state"), SPAN_KINDS.index("activity")
 _REQUIRED_REQUESTS = ("request_id", "arrival_ns", "first_token_ns")
 _REQUIRED_SPANS = ("kind", "name", "start_ns", "end_ns")
 
@@ -84,14 +84,22 @@ class PartitionError(RuntimeError):
 
 def _mix64(x: np.ndarray) -> np.ndarray:
     """splitmix64 finaliser: a well-spread 64-bit hash of each int64 (wrapping arithmetic)."""
-    z = x.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
+    z = x.astype(np.uint64)  # a copy, then every step in place
+    z += np.uint64(0x9E3779B97F4A7C15)
+    t = z >> np.uint64(30)
+    z ^= t
+    z *= np.uint64(0xBF58476D1CE4E5B9)
+    np.right_shift(z, np.uint64(27), out=t)
+    z ^= t
+    z *= np.uint64(0x94D049BB133111EB)
+    np.right_shift(z, np.uint64(31), out=t)
+    z ^= t
+    return z
 
 
 def _tiles(r: np.ndarray, start: np.ndarray, end: np.ndarray, arrival: np.ndarray,
-           first: np.ndarray, n: int) -> np.ndarray:
+           first: np.ndarray, n: int, a_r: np.ndarray, f_r: np.ndarray, dur: np.ndarray
+           ) -> np.ndarray:
     """Per request: do its spans tile ``[arrival, first]`` exactly (no gap, overlap, overhang)?
 
     Without sorting: spans with ``start <= end`` tile the window iff the multiset of their
@@ -100,29 +108,34 @@ def _tiles(r: np.ndarray, start: np.ndarray, end: np.ndarray, arrival: np.ndarra
     with the exact sum of durations; a false "tiles" needs a 64-bit hash collision on data that
     also has the right total (probability ~2^-64 per request). Zero-length spans cancel out of
     both multisets, so each span must also lie inside the window (one at -1 ns of a request
-    with TTFT 0 would otherwise "tile" it).
+    with TTFT 0 would otherwise "tile" it). `a_r`, `f_r` and `dur` are ``arrival[r]``,
+    ``first[r]`` and ``end - start``, which the caller has at hand.
     """
-    dur = end - start
-    bad = np.bincount(r[(dur < 0) | (start < arrival[r]) | (end > first[r])], minlength=n)
+    out = (dur < 0) | (start < a_r) | (end > f_r)
+    ok = np.ones(n, dtype=bool)
+    if out.any():
+        ok[r[out]] = False
     total = F.group_sums(r, dur, n)
     with np.errstate(over="ignore"):
         h = np.zeros(n, dtype=np.uint64)  # sum of hash(start) - hash(end), mod 2^64
         np.add.at(h, r, _mix64(start) - _mix64(end))
         same = h + _mix64(first) - _mix64(arrival) == 0
-    return (bad == 0) & (total == first - arrival) & same
+    return ok & (total == first - arrival) & same
 
 
-def _flag_text(flags: Mapping[str, np.ndarray], n: int) -> np.ndarray:
-    """Comma-joined names of the flags set per row (None where none is set)."""
-    out = np.full(n, None, dtype=object)
+def _flag_text(flags: Mapping[str, np.ndarray], n: int) -> np.ndarray | None:
+    """Comma-joined names of the flags set per row (None where none is set; None for all
+    when no row has one)."""
     any_set = np.zeros(n, dtype=bool)
     for m in flags.values():
         any_set |= m
     rows = np.flatnonzero(any_set)  # rare: only rows with a violation are formatted
-    if len(rows):
-        names = np.array(list(flags))
-        mat = np.column_stack([flags[k][rows] for k in flags])
-        out[rows] = [",".join(names[row]) for row in mat]
+    if not len(rows):
+        return None
+    out = np.full(n, None, dtype=object)
+    names = np.array(list(flags))
+    mat = np.column_stack([flags[k][rows] for k in flags])
+    out[rows] = [",".join(names[row]) for row in mat]
     return out
 
 
@@ -137,17 +150,22 @@ def _hit_class(requests: pd.DataFrame) -> pd.Categorical:
     """cold / partial / full from the accounting; null where the input lacks the counts."""
     n = len(requests)
     need = ("device_hit_tokens", "host_loaded_tokens", "remote_loaded_tokens", "lookup_tokens")
-    known = np.ones(n, dtype=bool)
-    for c in need:
-        known &= F.valid(requests[c]) if c in requests else np.zeros(n, dtype=bool)
+    given = {c: requests[c] for c in need if c in requests}
+    known: np.ndarray | None = None  # None: every count known
+    if len(given) < len(need):
+        known = np.zeros(n, dtype=bool)
+    for v in given.values():
+        if not (isinstance(v.dtype, np.dtype) and v.dtype.kind in "iub"):  # may hold nulls
+            known = F.valid(v) if known is None else known & F.valid(v)
 
     def col(c: str) -> np.ndarray:
-        return F.ints(requests[c], 0) if c in requests else np.zeros(n, np.int64)
+        return F.ints(given[c], 0) if c in given else np.zeros(n, np.int64)
 
     reused = col("device_hit_tokens") + col("host_loaded_tokens") + col("remote_loaded_tokens")
     lookup = col("lookup_tokens")
     code = np.where(reused <= 0, 0, np.where((lookup > 0) & (reused >= lookup), 2, 1))
-    return pd.Categorical.from_codes(np.where(known, code, -1), dtype=_hit_dtype())
+    return pd.Categorical.from_codes(code if known is None else np.where(known, code, -1),
+                                     dtype=_hit_dtype())
 
 
 def partition(
@@ -192,8 +210,9 @@ def partition(
     F.require_unique_ids(requests)
     n = len(requests)
     arrival = F.ints(requests["arrival_ns"])
-    first = F.ints(requests["first_token_ns"])
-    has_ft = F.valid(requests["first_token_ns"])
+    first_col = requests["first_token_ns"]
+    first = F.ints(first_col)
+    has_ft = F.valid(first_col)
     bad_first = has_ft & (first < arrival)
     has_ft = has_ft & ~bad_first
     ttft = np.where(has_ft, first - arrival, 0)
@@ -202,31 +221,42 @@ def partition(
     # them once, so that every later pass runs over those rows alone (not steps, not others).
     ridx = (_request_rows_by_num(spans["request_num"], requests["request_num"]) if by_num
             else F.request_index(spans["request_id"], requests["request_id"]))
-    is_state_kind = F.equals(spans["kind"], "state")
-    keep = (ridx >= 0) & (is_state_kind | F.equals(spans["kind"], "activity"))
-    keep[keep] = has_ft[ridx[keep]]
-    rows = np.flatnonzero(keep)
-    ridx = ridx[rows]
-    kind = np.where(is_state_kind[rows], _STATE, _ACTIVITY)
-    name_idx, name_values = F.categorize(spans["name"])
-    names = (name_idx[rows], name_values)
-    start = F.ints(spans["start_ns"], 0)[rows]
-    end = F.ints(spans["end_ns"], 0)[rows]
+    is_state_kind = _equals(spans["kind"], "state")
+    keep = (ridx >= 0) & (is_state_kind | _equals(spans["kind"], "activity"))
+    if not has_ft.all():
+        keep[keep] = has_ft[ridx[keep]]
+    # Span names matter only as members of the few names the partition knows: each row's
+    # index in that vocabulary (-1: any other name, or null), by one hash look-up a row.
+    vocab = list(dict.fromkeys([*TTFT_STAGES, *activity_stages, *load_activities]))
+    code = _vocab_index(spans["name"], vocab)
+    start = F.ints(spans["start_ns"], 0)
+    end = F.ints(spans["end_ns"], 0)
+    if not keep.all():  # else (a projected read of a run: every row) no copies
+        rows = np.flatnonzero(keep)
+        ridx, is_state_kind, code = ridx[rows], is_state_kind[rows], code[rows]
+        start, end = start[rows], end[rows]
 
     # ---- state spans: the recorded partition
-    state_stage = F.recode(names, TTFT_STAGES)
+    state_stage = _vocab_table(vocab, {s: i for i, s in enumerate(TTFT_STAGES)})[code]
     # A state span belongs to TTFT when it starts before the first token (a zero-length span at
     # arrival too, so that a request with TTFT 0 still counts as recorded).
-    is_state = (kind == _STATE) & (state_stage >= 0)
-    is_state[is_state] = ((start[is_state] < first[ridx[is_state]])
-                          | (start[is_state] == arrival[ridx[is_state]]))
-    sr, s_start, s_end, s_stage = (ridx[is_state], start[is_state], end[is_state],
-                                   state_stage[is_state])
+    si = np.flatnonzero(is_state_kind & (state_stage >= 0))
+    sr, s_start = ridx[si], start[si]
+    a_r, f_r = arrival[sr], first[sr]
+    inside = (s_start < f_r) | (s_start == a_r)
+    if not inside.all():
+        si, sr, s_start = si[inside], sr[inside], s_start[inside]
+        a_r, f_r = a_r[inside], f_r[inside]
+    s_end, s_stage = end[si], state_stage[si]
+    s_dur = s_end - s_start
     has_state = np.bincount(sr, minlength=n) > 0
-    tiles = has_state & _tiles(sr, s_start, s_end, arrival, first, n)
+    tiles = has_state & _tiles(sr, s_start, s_end, arrival, first, n, a_r, f_r, s_dur)
     stage_ns = np.zeros((n, _K), dtype=np.int64)
     fast = tiles[sr]
-    np.add.at(stage_ns.reshape(-1), sr[fast] * _K + s_stage[fast], (s_end - s_start)[fast])
+    cell, dur = sr * _K + s_stage, s_dur
+    if not fast.all():
+        cell, dur = cell[fast], dur[fast]
+    np.add.at(stage_ns.reshape(-1), cell, dur)
 
     flags: dict[str, np.ndarray] = {}
     broken = has_state & ~tiles
@@ -236,33 +266,87 @@ def partition(
 
     # ---- activity-only requests: the derived partition
     derived = has_ft & ~has_state
-    act_stage = F.recode(names, {a: TTFT_STAGES.index(s) for a, s in activity_stages.items()})
-    is_act = kind == _ACTIVITY
-    use = is_act & (act_stage >= 0)
-    use[use] = derived[ridx[use]]
+    act_table = _vocab_table(vocab, {a: TTFT_STAGES.index(s) for a, s in activity_stages.items()})
+    is_act = ~is_state_kind
+    if derived.any():
+        ui = np.flatnonzero(is_act & (act_table[code] >= 0))
+        ui = ui[derived[ridx[ui]]]
+    else:
+        ui = np.zeros(0, dtype=np.intp)
+    acts = _Sel(ridx[ui], start[ui], end[ui], act_table[code[ui]])
     covered = np.zeros(n, dtype=bool)
     if derived.any():
-        covered = _derive(derived, ridx[use], start[use], end[use], act_stage[use], arrival,
-                          ttft, stage_ns)
+        covered = _derive(derived, acts.r, acts.start, acts.end, acts.stage, arrival, ttft,
+                          stage_ns)
     flags["no_spans"] = derived & ~covered & (ttft > 0)
     flags["first_token_before_arrival"] = bad_first
 
     # ---- hidden load time: the request's own loads overlapping its queue time
-    is_load = is_act & (F.recode(names, list(load_activities)) >= 0)
+    load_table = _vocab_table(vocab, {a: 1 for a in load_activities})
+    li = np.flatnonzero(is_act & (load_table[code] >= 0))
     hidden = _hidden_load(
-        _Sel(ridx[is_load], start[is_load], end[is_load], act_stage[is_load]),
+        _Sel(ridx[li], start[li], end[li], act_table[code[li]]),
         _Sel(sr, s_start, s_end, s_stage),
-        _Sel(ridx[use], start[use], end[use], act_stage[use]),
+        acts,
         has_state, tiles, derived, arrival, ttft, stage_ns,
     )
 
-    sums = stage_ns.sum(axis=1)
+    by_stage = np.ascontiguousarray(stage_ns.T)  # a row per stage: contiguous columns
+    sums = by_stage.sum(axis=0)
     wrong = has_ft & (sums != ttft)
     if wrong.any():
         ids = requests["request_id"].to_numpy()[wrong][:5]
         raise PartitionError("stages do not sum to ttft_ns for request(s) "
                              f"{', '.join(map(str, ids))}")
-    return _frame(requests, stage_ns, ttft, hidden, has_ft, derived, _flag_text(flags, n))
+    return _frame(requests, by_stage, ttft, hidden, has_ft, derived, _flag_text(flags, n))
+
+
+def _vocab_table(vocab: list[str], mapping: Mapping[str, int]) -> np.ndarray:
+    """`mapping` over `_vocab_index` codes: ``table[code]`` is the value of the code's name
+    (-1 where `mapping` lacks it, and at index -1, for names outside `vocab`)."""
+    return np.array([mapping.get(v, -1) for v in vocab] + [-1], dtype=np.int64)
+
+
+def _vocab_index(col: pd.Series, vocab: list[str]) -> np.ndarray:
+    """Index of each entry of a string column in `vocab` (-1: not in it, or null)."""
+    arr = F.arrow_strings(col)
+    idx = pc.index_in(arr, value_set=pa.array(vocab, type=arr.type))
+    out = np.empty(len(arr), dtype=np.int64)
+    at = 0
+    for c in (idx.chunks if isinstance(idx, pa.ChunkedArray) else [idx]):
+        n = len(c)
+        if not n:
+            continue
+        out[at:at + n] = np.frombuffer(c.buffers()[1], dtype=np.int32, count=c.offset + n
+                                       )[c.offset:]
+        if c.null_count:
+            out[at:at + n][~_bits(c.buffers()[0], c.offset, n)] = -1
+        at += n
+    return out
+
+
+def _bits(buf: pa.Buffer, offset: int, n: int) -> np.ndarray:
+    """Bits ``offset .. offset + n`` of an Arrow bitmap as a (writable) numpy bool array."""
+    return np.unpackbits(np.frombuffer(buf, dtype=np.uint8), bitorder="little",
+                         count=offset + n)[offset:].view(np.bool_)
+
+
+def _equals(col: pd.Series, value: str) -> np.ndarray:
+    """`analyzers.frames.equals` (rows of a string column equal to `value`; null rows:
+    False), its Arrow result unpacked straight from the bitmaps."""
+    arr = F.arrow_strings(col)
+    eq = pc.equal(arr, pa.scalar(value, arr.type))
+    parts = []
+    for c in (eq.chunks if isinstance(eq, pa.ChunkedArray) else [eq]):
+        if not len(c):
+            continue
+        bits = _bits(c.buffers()[1], c.offset, len(c))
+        if c.null_count:
+            bits &= _bits(c.buffers()[0], c.offset, len(c))
+        parts.append(bits)
+    if len(parts) == 1:
+        return parts[0]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=bool)
 
 
 def _request_rows_by_num(span_nums: pd.Series, request_nums: pd.Series) -> np.ndarray:
@@ -273,33 +357,46 @@ def _request_rows_by_num(span_nums: pd.Series, request_nums: pd.Series) -> np.nd
     Raises:
         InputError: a request without a request_num, or two with the same.
     """
-    if not F.valid(request_nums).all():
+    if not _null_free(request_nums) and not F.valid(request_nums).all():
         raise InputError("requests: request_num missing for some request (spans without "
                          "request_id are matched to requests by it)")
     rn = F.ints(request_nums)
     sn = F.ints(span_nums, 0)
-    ok = F.valid(span_nums)
-    out = np.full(len(sn), -1, dtype=np.int64)
+    ok = np.ones(len(sn), dtype=bool) if _null_free(span_nums) else F.valid(span_nums)
     if not len(rn):
-        return out
-    order = np.argsort(rn, kind="stable")
-    srt = rn[order]
-    if (srt[1:] == srt[:-1]).any():
-        dup = sorted(set(srt[1:][srt[1:] == srt[:-1]].tolist()))[:5]
-        raise InputError(f"requests: duplicate request_num(s) {', '.join(map(str, dup))}")
-    lo, hi = int(srt[0]), int(srt[-1])
+        return np.full(len(sn), -1, dtype=np.int64)
+    lo, hi = int(rn.min()), int(rn.max())
     if hi - lo < 8 * len(rn) + 1024:  # dense: one gather per span
+        count = np.bincount(rn - lo, minlength=hi - lo + 1)
+        if count.max() > 1:
+            _duplicate_nums(np.flatnonzero(count > 1) + lo)
         lut = np.full(hi - lo + 1, -1, dtype=np.int64)
         lut[rn - lo] = np.arange(len(rn))
         if len(sn) and ok.all() and int(sn.min()) >= lo and int(sn.max()) <= hi:
             return lut[sn - lo]  # every span names a number in range (a run's do)
+        out = np.full(len(sn), -1, dtype=np.int64)
         inside = ok & (sn >= lo) & (sn <= hi)
         out[inside] = lut[sn[inside] - lo]
         return out
+    order = np.argsort(rn, kind="stable")
+    srt = rn[order]
+    if (srt[1:] == srt[:-1]).any():
+        _duplicate_nums(srt[1:][srt[1:] == srt[:-1]])
+    out = np.full(len(sn), -1, dtype=np.int64)
     pos = np.minimum(np.searchsorted(srt, sn), len(srt) - 1)
     hit = ok & (srt[pos] == sn)
     out[hit] = order[pos[hit]]
     return out
+
+
+def _duplicate_nums(dups: np.ndarray) -> None:
+    dup = sorted(set(dups.tolist()))[:5]
+    raise InputError(f"requests: duplicate request_num(s) {', '.join(map(str, dup))}")
+
+
+def _null_free(col: pd.Series) -> bool:
+    """A numpy integer or boolean column: it cannot hold a null."""
+    return isinstance(col.dtype, np.dtype) and col.dtype.kind in "iub"
 
 
 def _resolve_broken(broken: np.ndarray, sr: np.ndarray, s_start: np.ndarray, s_end: np.ndarray,
@@ -356,7 +453,11 @@ class _Sel:
     stage: np.ndarray
 
     def where(self, mask: np.ndarray) -> _Sel:
-        return _Sel(self.r[mask], self.start[mask], self.end[mask], self.stage[mask])
+        """The spans where `mask` holds (this selection itself when it holds for all)."""
+        if np.count_nonzero(mask) == len(mask):
+            return self
+        idx = np.flatnonzero(mask)  # one scan of the mask, then four gathers
+        return _Sel(self.r[idx], self.start[idx], self.end[idx], self.stage[idx])
 
 
 def _hidden_load(loads: _Sel, states: _Sel, acts: _Sel, has_state: np.ndarray,
@@ -428,33 +529,40 @@ def _hidden_load(loads: _Sel, states: _Sel, acts: _Sel, has_state: np.ndarray,
     return hidden
 
 
-def _frame(requests: pd.DataFrame, stage_ns: np.ndarray, ttft: np.ndarray, hidden: np.ndarray,
-           has_ft: np.ndarray, derived: np.ndarray, violation: np.ndarray) -> pd.DataFrame:
+def _frame(requests: pd.DataFrame, by_stage: np.ndarray, ttft: np.ndarray, hidden: np.ndarray,
+           has_ft: np.ndarray, derived: np.ndarray, violation: np.ndarray | None
+           ) -> pd.DataFrame:
+    """The partition frame; `by_stage` holds a row per stage (`STAGE_COLUMNS` order)."""
     n = len(requests)
     na = ~has_ft
 
     def nullable(values: np.ndarray, mask: np.ndarray) -> pd.arrays.IntegerArray:
-        return pd.arrays.IntegerArray(values.astype(np.int64, copy=False), mask)
+        # Each column its own values and mask (`build_frame` copies no extension array): a
+        # write into one column of the frame reaches no other column, and not `requests`.
+        own = values.flags.owndata or (values.base is by_stage)
+        return pd.arrays.IntegerArray(values.astype(np.int64, copy=not own), mask.copy())
 
-    def opt(col: str) -> pd.Series:
+    def opt(col: str) -> Any:
         if col in requests:
-            return requests[col].reset_index(drop=True)  # zero-copy: no Python strings
-        return pd.Series(pd.array([None] * n, dtype="str"))
+            # A copy of the column's array: for Arrow-backed strings, of the array object
+            # only (the string data is shared, never rewritten).
+            return requests[col].array.copy()
+        return pd.array([None] * n, dtype="str")
 
-    out: dict[str, object] = {
-        "request_id": requests["request_id"].reset_index(drop=True),
+    out: dict[str, Any] = {
+        "request_id": opt("request_id"),
         "tenant": opt("tenant"),
         "workload_class": opt("workload_class"),
         "hit_class": _hit_class(requests),
         "status": opt("status"),
         "arrival_ns": F.ints(requests["arrival_ns"]),
-        "first_token_ns": nullable(F.ints(requests["first_token_ns"], 0), na),
     }
+    first = F.ints(requests["first_token_ns"], 0)
+    out["first_token_ns"] = nullable(first, na)
     for j, col in enumerate(STAGE_COLUMNS):
-        out[col] = nullable(stage_ns[:, j], na)
+        out[col] = nullable(by_stage[j], na)
     out["ttft_ns"] = nullable(ttft, na)
     out["hidden_load_ns"] = nullable(hidden, na)
-    first = F.ints(requests["first_token_ns"], 0)
     if "finish_ns" in requests:
         finish = F.ints(requests["finish_ns"], 0)
         has_fin = F.valid(requests["finish_ns"])
@@ -470,9 +578,10 @@ def _frame(requests: pd.DataFrame, stage_ns: np.ndarray, ttft: np.ndarray, hidde
     out["derived"] = derived
     # Through Arrow: the same large_string array `pd.array(violation, dtype="str")` builds,
     # without pandas' per-element inference.
-    out["violation"] = pd.array(pa.array(violation, type=pa.large_string(), from_pandas=True),
-                                dtype="str")
-    return pd.DataFrame(out, index=pd.RangeIndex(n))
+    text = (pa.nulls(n, pa.large_string()) if violation is None
+            else pa.array(violation, type=pa.large_string(), from_pandas=True))
+    out["violation"] = pd.array(text, dtype="str")
+    return build_frame(out, n)
 
 
 def violations(part: pd.DataFrame) -> pd.DataFrame:

@@ -6,8 +6,9 @@ Percentiles use numpy's default definition (linear interpolation between order s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cache
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -162,6 +163,8 @@ def summarize(
     if window_ns is not None and window_ns <= 0:
         raise InputError(f"window_ns: must be > 0, got {window_ns}")
     has_ft = F.valid(part["ttft_ns"])
+    if not by_t:
+        return _summarize_all(part, has_ft, window_ns, origin_ns)
     served = part.loc[has_ft]
     vals = _values(served)
     keys = _group_keys(served, by_t) if by_t else [pd.Series("all", index=served.index)]
@@ -185,13 +188,174 @@ def summarize(
     )
 
 
+_NAMES: tuple[str, ...] = (*TTFT_STAGES, *EXTRA_ROWS)
+_VALUE_COLUMNS: tuple[str, ...] = (*F.STAGE_COLUMNS, "ttft_ns", "hidden_load_ns")
+_TTFT_ROW = len(TTFT_STAGES)
+#: `_windows`' rows of `_NAMES`: ``ttft`` then the stages.
+_WINDOW_ROWS = np.array([_TTFT_ROW, *range(len(TTFT_STAGES))], dtype=np.intp)
+
+
+def sorted_quantiles(s: np.ndarray, qs: Sequence[float]) -> np.ndarray:
+    """``np.quantile(row, qs)`` of every row of `s` (each row sorted ascending, at least one
+    column): numpy's linear method with its own arithmetic (`numpy.lib._function_base_impl`'s
+    ``_get_indexes`` and ``_lerp``), so that the values are the same to the last bit while
+    one sort serves every quantile of a row. Shape ``(len(qs), rows)``."""
+    m = s.shape[1]
+    q = np.asarray(qs, dtype=np.float64)
+    virtual = (m - 1) * q
+    prev = np.floor(virtual)
+    nxt = prev + 1
+    above = virtual >= m - 1  # past the last index: the maximum
+    prev[above] = -1
+    nxt[above] = -1
+    prev_i, nxt_i = prev.astype(np.intp), nxt.astype(np.intp)
+    a, b = s[:, prev_i].T, s[:, nxt_i].T
+    gamma = (virtual - prev_i)[:, None]
+    diff = b - a
+    out = np.add(a, diff * gamma)
+    np.subtract(b, diff * (1 - gamma), out=out, where=np.broadcast_to(gamma >= 0.5, out.shape),
+                casting="unsafe", dtype=np.float64)
+    return out
+
+
+def _summarize_all(part: pd.DataFrame, has_ft: np.ndarray, window_ns: int | None,
+                   origin_ns: int | None) -> TTFTSummary:
+    """`summarize` without groups, in numpy: the value columns read once into one int64
+    matrix (a row per name of `_NAMES`, a column per served request), one sort per row for
+    every quantile, no per-row frame. The same figures as the grouped path's (the
+    `_stage_table`, `_slowest` and `_windows` arithmetic)."""
+    every = bool(has_ft.all())
+    m = len(has_ft) if every else int(has_ft.sum())
+    x = np.empty((len(_NAMES), m), dtype=np.int64)
+    for i, c in enumerate(_VALUE_COLUMNS):
+        v = F.ints(part[c], 0)
+        x[i] = v if every else v[has_ft]
+    arrival = F.ints(part["arrival_ns"])
+    if not every:
+        arrival = arrival[has_ft]
+    srt = np.sort(x, axis=1) if m else x
+    stages = _stage_matrix(x, srt)
+    slowest = _slowest_matrix(x, srt, part, has_ft)
+    w = window_ns or default_window_ns(arrival)
+    origin = origin_ns if origin_ns is not None else (int(arrival.min()) if m else 0)
+    windows = (_windows_matrix(x[_WINDOW_ROWS], arrival, w, origin) if m
+               else pd.DataFrame(columns=_window_columns()))
+    if windows is None:  # too many windows for the numpy path
+        windows = _windows(_values(part.loc[has_ft]), arrival, w, origin)
+    derived = part["derived"]
+    if derived.dtype == np.bool_:
+        n_derived = int(np.count_nonzero(derived.to_numpy() if every
+                                         else derived.to_numpy()[has_ft]))
+    else:
+        n_derived = int(part.loc[has_ft, "derived"].sum())
+    return TTFTSummary(
+        requests=m,
+        without_first_token=len(has_ft) - m,
+        derived=n_derived,
+        violations=int(F.valid(part["violation"]).sum()),
+        by=(),
+        stages=stages,
+        slowest=slowest,
+        windows=windows,
+        window_ns=int(w),
+    )
+
+
+def _stage_matrix(x: np.ndarray, srt: np.ndarray) -> pd.DataFrame:
+    """`_stage_table_all` from the value matrix and its sorted rows."""
+    names = list(_NAMES)
+    n = x.shape[1]
+    nan = np.full(len(names), np.nan)
+    q = sorted_quantiles(srt, QUANTILES) if n else np.full((len(QUANTILES), len(names)),
+                                                            np.nan)
+    share = nan
+    if n:
+        ttft = x[_TTFT_ROW].astype(np.float64)
+        inv = np.divide(1.0, ttft, out=np.full(len(ttft), np.nan), where=ttft > 0)
+        if (ttft > 0).all():  # no NaN share: `np.nanmean`'s sum over its count
+            share = (x * inv).sum(axis=1) / n
+        elif np.isfinite(inv).any():  # a row's shares are finite exactly where inv is
+            share = np.nanmean(x * inv, axis=1)
+    total = x.sum(axis=1)
+    ttft_total = total[_TTFT_ROW]
+    return _table({
+        "stage": names,
+        "requests": np.full(len(names), n, dtype=np.int64),
+        **{col: q[i] for i, col in enumerate(_QCOLS)},
+        "mean_ns": total / n if n else nan,
+        "total_ns": total,
+        "share_mean": share,
+        "share_of_total": total / ttft_total if ttft_total > 0 else nan,
+    })
+
+
+def _slowest_matrix(x: np.ndarray, srt: np.ndarray, part: pd.DataFrame,
+                    has_ft: np.ndarray) -> pd.DataFrame:
+    """`_slowest_all` from the value matrix and its sorted rows."""
+    names = list(TTFT_STAGES)
+    if not x.shape[1]:
+        return pd.DataFrame(columns=["stage", "threshold_ns", "requests", "mean_ns", "share"])
+    ttft = x[_TTFT_ROW]
+    threshold = sorted_quantiles(srt[_TTFT_ROW:_TTFT_ROW + 1], (0.99,))[0, 0]
+    slow = ttft >= threshold
+    count = int(slow.sum())
+    sums = x[:_TTFT_ROW + 1, slow].sum(axis=1)
+    tot = {x_: int(v) for x_, v in zip([*names, "ttft"], sums.tolist(), strict=True)}
+    if max(abs(v) for v in tot.values()) >= 2**53:  # pandas' float sums would round
+        vals = _values(part.loc[has_ft])
+        return _tidy(_slowest_grouped(vals, [pd.Series("all", index=vals.index)], (), names))
+    den = tot["ttft"] if tot["ttft"] > 0 else float("nan")
+    return _table({
+        "stage": names,
+        "threshold_ns": np.full(len(names), threshold, dtype=np.float64),
+        "requests": np.full(len(names), count, dtype=np.int64),
+        "mean_ns": np.array([tot[x_] / count for x_ in names], dtype=np.float64),
+        "share": np.array([tot[x_] / den for x_ in names], dtype=np.float64),
+    })
+
+
+@cache
+def _labels(values: tuple[str, ...]) -> Any:
+    """The column pandas makes of a list of labels (its own inference: ``str`` or ``object``
+    by version and options), made once per list; `build_frame` hands out copies."""
+    return pd.Series(list(values)).array
+
+
+@cache
+def _column_index(names: tuple[str, ...]) -> pd.Index:
+    """The columns index ``pd.DataFrame`` makes of these names, made once; handed out as
+    views (a name set on one frame's columns stays there)."""
+    return pd.DataFrame({c: [] for c in names}).columns
+
+
+def build_frame(data: Mapping[str, Any], n: int) -> pd.DataFrame:
+    """``pd.DataFrame(data)`` for columns that are 1-D numpy arrays or pandas extension
+    arrays of length `n` (or tuples/lists of labels of length `n`), built without pandas'
+    per-column inference and alignment: the same frame (columns, dtypes, values, a
+    ``RangeIndex``) at a fraction of the cost (a few µs a column, not tens). numpy columns
+    are copied into their blocks, as the constructor copies them; extension arrays are taken
+    as they are, so pass ones that nothing else holds (copies of a caller's: cheap for
+    Arrow-backed strings, whose data is never rewritten)."""
+    arrays = [(_labels(tuple(v)).copy() if isinstance(v, (list, tuple)) else v)
+              for v in data.values()]
+    try:
+        return pd.DataFrame._from_arrays(arrays, columns=_column_index(tuple(data)).view(),
+                                         index=pd.RangeIndex(n), verify_integrity=False)
+    except (AttributeError, TypeError):  # a pandas without the private constructor
+        return pd.DataFrame(dict(zip(data, arrays, strict=True)), index=pd.RangeIndex(n))
+
+
 def _table(data: dict[str, Any]) -> pd.DataFrame:
     """``_tidy(pd.DataFrame(data))`` for columns given as numpy arrays (and lists): the float
     ns arrays rounded before the one frame is built."""
     if not all(isinstance(v, np.ndarray) for k, v in data.items() if k.endswith("_ns")):
         return _tidy(pd.DataFrame(data))
-    return pd.DataFrame({k: (v.round(3) if k.endswith("_ns") and v.dtype == np.float64 else v)
-                         for k, v in data.items()})
+    cols = {k: (v.round(3) if k.endswith("_ns") and v.dtype == np.float64 else v)
+            for k, v in data.items()}
+    n = next((len(v) for v in cols.values()), 0)
+    if not all(len(v) == n for v in cols.values()):
+        return pd.DataFrame(cols)
+    return build_frame(cols, n)
 
 
 def _tidy(df: pd.DataFrame) -> pd.DataFrame:
@@ -335,36 +499,23 @@ def _group_quantiles(v: np.ndarray) -> list[float]:
     return out
 
 
+def _window_columns() -> list[str]:
+    return ["window_start_ns", "window_start_s", "requests",
+            *(f"{n}_{q}" for n in ["ttft", *TTFT_STAGES] for q in _QCOLS)]
+
+
 def _windows(vals: pd.DataFrame, arrival: np.ndarray, window_ns: int, origin_ns: int
              ) -> pd.DataFrame:
     names = ["ttft", *TTFT_STAGES]
-    cols = ["window_start_ns", "window_start_s", "requests",
-            *(f"{n}_{q}" for n in names for q in _QCOLS)]
+    cols = _window_columns()
     if not len(vals):
         return pd.DataFrame(columns=cols)
+    if _NUMPY_WINDOWS > 0:
+        out = _windows_matrix(np.stack([F.ints(vals[n], 0) for n in names]), arrival,
+                              window_ns, origin_ns)
+        if out is not None:
+            return out
     start = origin_ns + ((arrival - origin_ns) // window_ns) * window_ns
-    starts, counts = np.unique(start, return_counts=True)
-    if len(starts) <= _NUMPY_WINDOWS:
-        bounds = np.r_[0, np.cumsum(counts)]
-        data: dict[str, Any] = {"window_start_ns": starts.astype(np.int64),
-                                "window_start_s": (starts - origin_ns) / 1e9,
-                                "requests": counts.astype(np.int64)}
-        # Each column in window order, each window's run sorted in place; every window's
-        # quantiles then picked at once, with `_group_quantiles`' arithmetic.
-        order = np.argsort(start, kind="stable")
-        m = counts.astype(np.int64)
-        for n in names:
-            x = vals[n].to_numpy()[order].astype(np.float64)
-            for i in range(len(starts)):
-                x[bounds[i]:bounds[i + 1]].sort()
-            for q, qc in zip(QUANTILES, _QCOLS, strict=True):
-                h = q * (m - 1).astype(np.float64)
-                j = h.astype(np.int64)  # int(h): h >= 0
-                frac = h % 1
-                lo = x[bounds[:-1] + j]
-                hi = x[bounds[:-1] + np.minimum(j + 1, m - 1)]
-                data[f"{n}_{qc}"] = np.where(frac == 0.0, lo, lo + (hi - lo) * frac)
-        return _table({c: data[c] for c in cols})
     g = vals[names].groupby(start, sort=True)
     qv = g.quantile(list(QUANTILES))  # one sort per column for all three quantiles
     out = pd.DataFrame({"requests": g.size()})
@@ -375,3 +526,41 @@ def _windows(vals: pd.DataFrame, arrival: np.ndarray, window_ns: int, origin_ns:
     out = out.reset_index(names="window_start_ns")
     out["window_start_s"] = (out["window_start_ns"] - origin_ns) / 1e9
     return _tidy(out.reindex(columns=cols))
+
+
+def _windows_matrix(y: np.ndarray, arrival: np.ndarray, window_ns: int, origin_ns: int
+                    ) -> pd.DataFrame | None:
+    """`_windows`' numpy path: `y` holds a row per window column (``ttft`` then the stages,
+    int64), a column per request (at least one). None when there are more than
+    `_NUMPY_WINDOWS` windows (the pandas path then)."""
+    names = ["ttft", *TTFT_STAGES]
+    start = origin_ns + ((arrival - origin_ns) // window_ns) * window_ns
+    in_order = bool((start[1:] >= start[:-1]).all())
+    if in_order:  # arrivals in order (a run's are): runs of equal starts, no sort
+        first = np.flatnonzero(np.r_[True, start[1:] != start[:-1]])
+        starts, counts = start[first], np.diff(np.r_[first, len(start)])
+    else:
+        starts, counts = np.unique(start, return_counts=True)
+    if len(starts) > _NUMPY_WINDOWS:
+        return None
+    bounds = np.r_[0, np.cumsum(counts)]
+    data: dict[str, Any] = {"window_start_ns": starts.astype(np.int64),
+                            "window_start_s": (starts - origin_ns) / 1e9,
+                            "requests": counts.astype(np.int64)}
+    # Each row in window order, each window's run sorted in place; every window's quantiles
+    # then picked at once, with `_group_quantiles`' arithmetic.
+    x = (y if in_order else y[:, np.argsort(start, kind="stable")]).astype(np.float64)
+    for i in range(len(starts)):
+        x[:, bounds[i]:bounds[i + 1]].sort(axis=1)
+    m = counts.astype(np.int64)
+    at = bounds[:-1]
+    for q, qc in zip(QUANTILES, _QCOLS, strict=True):
+        h = q * (m - 1).astype(np.float64)
+        j = h.astype(np.int64)  # int(h): h >= 0
+        frac = h % 1
+        lo = x[:, at + j]
+        hi = x[:, at + np.minimum(j + 1, m - 1)]
+        v = np.where(frac == 0.0, lo, lo + (hi - lo) * frac)
+        for k, n in enumerate(names):
+            data[f"{n}_{qc}"] = v[k]
+    return _table({c: data[c] for c in _window_columns()})

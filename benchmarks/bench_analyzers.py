@@ -32,7 +32,11 @@ Measures, each printed with its interval and the load average:
 Usage::
 
     .venv/bin/python benchmarks/bench_analyzers.py [--run DIR] [--copies 450] [--pairs 7]
-        [--full-reps 1] [--subsample 10000] [--sub-pairs 5]
+        [--full-reps 1] [--subsample 10000] [--sub-pairs 5] [--store DIR] [--measures 1,2,3]
+
+``--store DIR`` keeps the tiled store in DIR (written there once, ~16 s; a later run given the
+same DIR reads it instead of tiling again, whatever ``--run`` and ``--copies`` say);
+``--measures`` runs only the measures named (``--measures 3``: the loop comparison alone).
 
 DuckDB (PyPI ``duckdb``) is a benchmark-only dependency (the ``bench`` extra); without it
 measure 1 is skipped with a note.
@@ -262,10 +266,15 @@ def _same_outputs(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return bad
 
 
+#: Where the timed children's bytecode cache goes (`main` sets it: its temporary directory,
+#: so that a kept ``--store`` gets nothing written beside it).
+_PYCACHE: Path | None = None
+
+
 def _child_env(store: Path) -> dict[str, str]:
     """Every timed child's environment: both sides' modules from one bytecode cache beside the
     store (`benchstats.child_env`), filled by the warm-up runs."""
-    return child_env(store.parent / "pycache")
+    return child_env(_PYCACHE if _PYCACHE is not None else store.parent / "pycache")
 
 
 def _run_child(kind: str, run: Path) -> tuple[float, dict[str, Any]]:
@@ -513,6 +522,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="runs of `kvscope analyze --format json` (0: skip)")
     ap.add_argument("--subsample", type=int, default=10_000, help="requests for measure 3")
     ap.add_argument("--sub-pairs", type=int, default=5, help="interleaved pairs, measure 3")
+    ap.add_argument("--store", type=Path,
+                    help="keep the tiled store here (an existing one is read, not rewritten)")
+    ap.add_argument("--measures", default="1,2,3",
+                    help="comma-separated measures to run (default 1,2,3)")
     ap.add_argument("--child", choices=("kvscope", "kvscope-whole", "duckdb"),
                     help=argparse.SUPPRESS)
     ap.add_argument("--accounting", default="", help=argparse.SUPPRESS)
@@ -526,25 +539,49 @@ def main(argv: list[str] | None = None) -> int:
 
     assert (tuple(TTFT_STAGES), tuple(LOAD_ACTIVITIES), tuple(STAGE_PRIORITY)) == (
         STAGES, LOADS, PRIORITY), "update STAGES, LOADS, PRIORITY"
+    measures = {m.strip() for m in args.measures.split(",") if m.strip()}
+    if not measures <= {"1", "2", "3"}:
+        ap.error(f"--measures: expected 1, 2 or 3, got {args.measures}")
     print(f"load average at start: {load_average()}")
+    global _PYCACHE
     with tempfile.TemporaryDirectory(prefix="kvscope-bench-analyzers-") as tmp:
-        src = args.run
-        if src is None:
+        _PYCACHE = Path(tmp) / "pycache"
+        store = args.store if args.store is not None else Path(tmp) / "tiled"
+        if (store / "run.json").exists():
+            rows = _store_rows(store)
+            print(f"store: {store} (kept from an earlier run): {rows['requests']:,} requests, "
+                  f"{rows['spans']:,} span rows")
+        else:
+            src = args.run
+            if src is None:
+                t0 = time.perf_counter()
+                src = make_real_run(Path(tmp) / "real")
+                print(f"real run: kvscope run -n 300 --model tiny, host + file:// tiers "
+                      f"({time.perf_counter() - t0:.0f} s)")
             t0 = time.perf_counter()
-            src = make_real_run(Path(tmp) / "real")
-            print(f"real run: kvscope run -n 300 --model tiny, host + file:// tiers "
-                  f"({time.perf_counter() - t0:.0f} s)")
-        store = Path(tmp) / "tiled"
-        t0 = time.perf_counter()
-        rows = tile_run(src, store, args.copies)
-        print(f"store: {args.copies} copies of {src}: {rows['requests']:,} requests, "
-              f"{rows['spans']:,} span rows ({time.perf_counter() - t0:.0f} s to write)")
+            rows = tile_run(src, store, args.copies)
+            print(f"store: {args.copies} copies of {src}: {rows['requests']:,} requests, "
+                  f"{rows['spans']:,} span rows ({time.perf_counter() - t0:.0f} s to write)")
         n_spans = rows["spans"]
-        _measure_duckdb(store, n_spans, args.pairs, list(ACCOUNTING_COLUMNS))
-        _measure_full(store, n_spans, args.full_reps)
-        _measure_loop(store, args.subsample, args.sub_pairs)
+        if "1" in measures:
+            _measure_duckdb(store, n_spans, args.pairs, list(ACCOUNTING_COLUMNS))
+        if "2" in measures:
+            _measure_full(store, n_spans, args.full_reps)
+        if "3" in measures:
+            _measure_loop(store, args.subsample, args.sub_pairs)
     print(f"load average at end: {load_average()}")
     return 0
+
+
+def _store_rows(store: Path) -> dict[str, int]:
+    """Row counts of a kept store's requests and spans (from the Parquet footers)."""
+    import pyarrow.parquet as pq
+
+    def rows(table: str) -> int:
+        return sum(pq.ParquetFile(f).metadata.num_rows
+                   for f in sorted((store / table).glob("part-*.parquet")))
+
+    return {"requests": rows("requests"), "spans": rows("spans")}
 
 
 def _measure_duckdb(store: Path, n_spans: int, pairs: int, accounting: list[str]) -> None:
