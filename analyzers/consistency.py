@@ -123,12 +123,17 @@ class _Spans:
         self.named = F.valid(spans["request_id"])
         self.name = F.categorize(spans["name"])
         self.tier = F.categorize(spans["tier"])
+        self._ints: dict[tuple[str, int], np.ndarray] = {}
 
     def rows(self, kind: str) -> np.ndarray:
         return np.flatnonzero(F.equals(self.df["kind"], kind))
 
     def ints(self, col: str, rows: np.ndarray, fill: int = -1) -> np.ndarray:
-        return F.ints(self.df[col], fill)[rows]
+        # each column converted once: the ledger and the activity rows read the same ones
+        key = (col, fill)
+        if key not in self._ints:
+            self._ints[key] = F.ints(self.df[col], fill)
+        return self._ints[key][rows]
 
 
 def _request_rows(span_ids: pd.Series, request_ids: pd.Series) -> np.ndarray:

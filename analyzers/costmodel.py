@@ -18,6 +18,7 @@ somewhat dearer than it says.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,7 +173,9 @@ def _step_rows(spans: pd.DataFrame | pa.Table
                     ch = pc.fill_null(ch, 0)
                 v = ch.to_numpy(zero_copy_only=False)
                 if v.dtype == np.int64:
-                    np.take(v, r, out=out[at:at + len(r)])
+                    # mode "clip" clips nothing (`r` holds rows of this chunk) and, unlike
+                    # "raise", writes into `out` directly instead of through a buffer
+                    np.take(v, r, out=out[at:at + len(r)], mode="clip")
                 else:  # batch_requests: int32, widened
                     out[at:at + len(r)] = v.take(r)
                 at += len(r)
@@ -199,8 +202,11 @@ def _is_in(col: pa.ChunkedArray | pa.Array, values: tuple[str, ...]) -> np.ndarr
     of `values` (null rows: False). A dictionary chunk is matched on its dictionary and its
     rows picked by their codes, never decoded."""
     chunks = col.chunks if isinstance(col, pa.ChunkedArray) else [col]
-    out = []
+    out = np.empty(sum(len(ch) for ch in chunks), dtype=bool)
+    at = 0
     for ch in chunks:
+        part = out[at:at + len(ch)]
+        at += len(ch)
         if pa.types.is_dictionary(ch.type):
             hit = pc.fill_null(pc.is_in(ch.dictionary, value_set=pa.array(
                 values, ch.dictionary.type)), False).to_numpy(zero_copy_only=False)
@@ -208,11 +214,13 @@ def _is_in(col: pa.ChunkedArray | pa.Array, values: tuple[str, ...]) -> np.ndarr
             if codes.null_count:
                 hit = np.r_[hit, False]
                 codes = pc.fill_null(codes, len(hit) - 1)
-            out.append(hit[codes.to_numpy(zero_copy_only=False)])
+            # each code indexes the dictionary (mode "clip" clips nothing and writes into
+            # `part` directly)
+            np.take(hit, codes.to_numpy(zero_copy_only=False), out=part, mode="clip")
         else:
-            out.append(pc.fill_null(pc.is_in(ch, value_set=pa.array(values, ch.type)), False)
-                       .to_numpy(zero_copy_only=False))
-    return np.concatenate(out) if out else np.zeros(0, dtype=bool)
+            part[:] = pc.fill_null(pc.is_in(ch, value_set=pa.array(values, ch.type)),
+                                   False).to_numpy(zero_copy_only=False)
+    return out
 
 
 def _valid(col: pa.ChunkedArray | pa.Array) -> np.ndarray | bool:
@@ -288,7 +296,8 @@ def _theil_sen(x: np.ndarray, y: np.ndarray, rng: np.random.Generator,
 
 
 def fit_step_cost(spans: pd.DataFrame | pa.Table, *, seed: int = 0,
-                  n_boot: int = _N_BOOT) -> StepCost:
+                  n_boot: int = _N_BOOT,
+                  estimates: Callable[[StepCost], object] | None = None) -> StepCost:
     """Fit the run's step cost model on its step spans.
 
     Args:
@@ -296,6 +305,10 @@ def fit_step_cost(spans: pd.DataFrame | pa.Table, *, seed: int = 0,
         seed: the bootstrap's seed (the fit is deterministic for a given run and seed).
         n_boot: bootstrap resamples; 0 for the estimates alone (intervals NaN): the same
             estimates, bit for bit, as they are drawn before the resamples.
+        estimates: called, before the resamples are drawn, with the model `n_boot` 0 gives
+            (the estimates, intervals NaN), for a caller that reads the estimates only
+            while the bootstrap runs; not called when the fit stops before its estimates
+            (too few steps, a single token count: the model returned says why).
 
     Returns:
         a `StepCost` (with `reason` set when the run has too few steps, or a single token
@@ -311,9 +324,18 @@ def fit_step_cost(spans: pd.DataFrame | pa.Table, *, seed: int = 0,
     x = tokens.astype(np.float64)
     rng = np.random.default_rng(seed)
     slope, icpt = _theil_sen(x, ns, rng)
+    if estimates is not None:
+        estimates(_model(slope, icpt, np.empty((0, 2)), tokens))
     boots = np.empty((n_boot, 2))
     for b in range(n_boot):
         boots[b] = _theil_sen(x, ns, rng, rng.integers(0, n, n))
+    return _model(slope, icpt, boots, tokens)
+
+
+def _model(slope: float, icpt: float, boots: np.ndarray, tokens: np.ndarray) -> StepCost:
+    """The model of the estimates and the bootstrap's resampled ``(slope, intercept)`` rows
+    (none: intervals NaN)."""
+    n = len(tokens)
     ok = np.isfinite(boots).all(axis=1)
     a = (1 - _CONFIDENCE) / 2
     if ok.any():

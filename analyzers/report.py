@@ -11,7 +11,7 @@ lacked the data for. JSON carries them under ``findings`` and ``diagnoses``.
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -129,11 +129,12 @@ def build_report(store: Any, *, diagnose: bool = True, by: str | None = None,
     # the summaries and the diagnoses; its error, should it raise, is the one raised when
     # the analyzers after it raise too (the order they ran in one after the other).
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvscope-report") as pool:
-        fitting = None if steps is None else pool.submit(fit_step_cost, steps)
+        estimated: Future[StepCost] = Future()
+        fitting = None if steps is None else pool.submit(_fit, steps, estimated)
         req = store.requests
         spans, step_source, spans_end = _spans_and_steps(store, steps)
         if fitting is None:
-            fitting = pool.submit(fit_step_cost, step_source)
+            fitting = pool.submit(_fit, step_source, estimated)
         origin = run_origin_ns(meta, store)
         groups = layer_groups_of(meta)
         part = partition(req, _partition_spans(store, req, spans))
@@ -144,13 +145,17 @@ def build_report(store: Any, *, diagnose: bool = True, by: str | None = None,
             accounting = token_accounting(req)
             layers = layer_table(store.layers, groups)
             limits = group_limits(spans, req, groups)
-            cost = fitting.result()
+            estimated.result()  # (a fit that fails before its estimates raises here)
             diag = None
             if diagnose:
+                # The rules read the model's estimates, known before its bootstrap
+                # intervals: they run while the resamples are drawn (`_PendingCost`).
                 diag = diagnose_report(req, spans, layers=store.layers, samples=store.samples,
                                        events=store.events, run_config=meta.get("config"),
-                                       part=part, cost=cost, origin_ns=origin,
-                                       run_path=str(store.path), spans_end_ns=spans_end)
+                                       part=part, cost=_PendingCost(estimated, fitting),
+                                       origin_ns=origin, run_path=str(store.path),
+                                       spans_end_ns=spans_end)
+            cost = fitting.result()
         except BaseException:
             if checking.exception() is not None:
                 raise checking.exception() from None
@@ -188,6 +193,44 @@ def build_report(store: Any, *, diagnose: bool = True, by: str | None = None,
         group_limits=limits,
         vllm_side=vllm_side_of(store),
     )
+
+
+def _fit(steps: pd.DataFrame | pa.Table, estimated: Future[StepCost]) -> StepCost:
+    """`fit_step_cost` of `steps`, its estimates set into `estimated` as soon as they are
+    known (the whole model when the fit stops before them; its error when it raises
+    first)."""
+    try:
+        cost = fit_step_cost(steps, estimates=estimated.set_result)
+    except BaseException as exc:
+        if not estimated.done():
+            estimated.set_exception(exc)
+        raise
+    if not estimated.done():
+        estimated.set_result(cost)
+    return cost
+
+
+#: The `StepCost` attributes that its estimates alone give (the same with or without the
+#: bootstrap: `fit_step_cost` draws the estimates before the resamples).
+_ESTIMATED = frozenset(("fixed_ns", "per_token_ns", "steps", "token_range", "confidence",
+                        "method", "reason", "fitted", "tokens_per_s", "recompute_ns"))
+
+
+class _PendingCost:
+    """The step cost model while its bootstrap runs: the estimates (`_ESTIMATED`) read from
+    the estimates-only model as soon as it is known, anything else (the intervals,
+    ``describe``, ``to_dict``) from the whole model, waited for. What the diagnoses read
+    is what the whole model says."""
+
+    __slots__ = ("_estimated", "_fitted")
+
+    def __init__(self, estimated: Future[StepCost], fitted: Future[StepCost]) -> None:
+        self._estimated = estimated
+        self._fitted = fitted
+
+    def __getattr__(self, name: str) -> Any:
+        source = self._estimated if name in _ESTIMATED else self._fitted
+        return getattr(source.result(), name)
 
 
 def _spans_and_steps(store: Any, steps: pa.Table | None

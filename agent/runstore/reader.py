@@ -652,7 +652,7 @@ def _dictionary_mask(col: pa.ChunkedArray, values: frozenset[str], *, negate: bo
             codes = ch.indices
             raw = np.frombuffer(codes.buffers()[1], dtype=f"<i{codes.type.bit_width // 8}",
                                 count=codes.offset + len(codes))[codes.offset:]
-            out.append(hit[np.where(ok, raw, len(hit) - 1)] if ch.null_count else hit[raw])
+            out.append(_pick(hit, np.where(ok, raw, len(hit) - 1) if ch.null_count else raw))
         else:
             vals = ch.to_pylist()
             out.append(np.array([v is not None and (v in values) != negate for v in vals],
@@ -697,7 +697,7 @@ def _equal_masks(col: pa.ChunkedArray, value: str) -> tuple[pa.Array, pa.Array]:
             raw = np.frombuffer(codes.buffers()[1], dtype=f"<i{codes.type.bit_width // 8}",
                                 count=codes.offset + len(codes))[codes.offset:]
             # null slots hold any value: they pick the trailing False
-            eq.append(hit[np.where(ok, raw, len(hit) - 1)])
+            eq.append(_pick(hit, np.where(ok, raw, len(hit) - 1) if ch.null_count else raw))
         else:  # not read dictionary-encoded (not a Parquet string column): rare
             import pyarrow.compute as pc
 
@@ -706,6 +706,15 @@ def _equal_masks(col: pa.ChunkedArray, value: str) -> tuple[pa.Array, pa.Array]:
     is_value = np.concatenate(eq) if eq else np.zeros(0, dtype=bool)
     ok_all = np.concatenate(valid) if valid else np.zeros(0, dtype=bool)
     return _bool_array(is_value), _bool_array(ok_all & ~is_value)
+
+
+def _pick(hit: Any, codes: Any) -> Any:
+    """``hit[codes]`` for the dictionary codes of a chunk (each a valid index into `hit`: the
+    dictionary's entries and a trailing one for nulls), by `numpy.take`, which gathers bytes
+    by small integer codes faster than fancy indexing does (mode "clip" clips nothing)."""
+    import numpy as np
+
+    return np.take(hit, codes, mode="clip")
 
 
 def _bool_array(mask: Any) -> pa.Array:

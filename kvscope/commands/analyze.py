@@ -5,6 +5,8 @@ Light at import time (typer only); the analyzers and pandas load inside the comm
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import typer
@@ -20,24 +22,54 @@ _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 _MALLOPT = ((_M_TRIM_THRESHOLD, 1 << 30), (_M_TOP_PAD, 64 << 20), (_M_MMAP_THRESHOLD, 32 << 20))
 
 
-def _keep_freed_memory() -> None:
+def _keep_freed_memory() -> bool:
     """Let glibc's malloc keep the memory the analysis frees for its next allocations instead
     of handing it back to the kernel at once (which zeroes every page again when it is next
     touched: a fifth of the analysis' CPU time on a large run, most of it the cost model's
     bootstrap temporaries). A short-lived command's heap only; nothing else changes. Silently
-    nothing where the C library is not glibc."""
+    nothing where the C library is not glibc.
+
+    Returns:
+        whether glibc's malloc was set so (`_arrow_from_malloc` relies on it)."""
     import sys
 
     if not sys.platform.startswith("linux"):
-        return
+        return False
     try:
         import ctypes
 
         mallopt = ctypes.CDLL(None).mallopt
-        for param, value in _MALLOPT:
-            mallopt(ctypes.c_int(param), ctypes.c_int(value))
+        done = [mallopt(ctypes.c_int(param), ctypes.c_int(value)) == 1
+                for param, value in _MALLOPT]
     except (OSError, AttributeError, ValueError):
+        return False
+    return all(done)
+
+
+@contextmanager
+def _arrow_from_malloc(kept: bool) -> Iterator[None]:
+    """While the report is made, Arrow allocates from the C library's malloc (its system
+    pool), which `_keep_freed_memory` has told to keep what is freed, instead of its default
+    mimalloc pool: mimalloc hands the pages Arrow frees (each Parquet part's decoded columns,
+    once split) back to the kernel, which zeroes them again when the next part is decoded
+    into them; on a large run that zeroing was a fifth of the command's CPU time. The same
+    bytes either way (only where they live changes); the previous pool is restored
+    afterwards (a buffer is always freed into the pool that allocated it). Nothing changes
+    when malloc was not set (`kept` False) or when ``ARROW_DEFAULT_MEMORY_POOL`` names a
+    pool: that choice stands."""
+    import os
+
+    if not kept or os.environ.get("ARROW_DEFAULT_MEMORY_POOL"):
+        yield
         return
+    import pyarrow as pa
+
+    before = pa.default_memory_pool()
+    pa.set_memory_pool(pa.system_memory_pool())
+    try:
+        yield
+    finally:
+        pa.set_memory_pool(before)
 
 
 def analyze(
@@ -68,7 +100,23 @@ def analyze(
         raise InputError(f"--by {by}: expected one of {', '.join(GROUPS)}")
 
     window_ns = None if window_s is None else max(int(window_s * 1e9), 1)
-    _keep_freed_memory()
+    with _arrow_from_malloc(_keep_freed_memory()):
+        text = _report_text(run, fmt, by, window_ns)
+    if output is None:
+        typer.echo(text, nl=False)
+    else:
+        output.write_text(text)
+        # stderr, so that stdout stays clean for pipelines
+        from analyzers.units import fmt_bytes
+
+        typer.echo(f"kvscope analyze: wrote {output} ({fmt}, {fmt_bytes(len(text.encode()))})",
+                   err=True)
+
+
+def _report_text(run: Path, fmt: str, by: str | None, window_ns: int | None) -> str:
+    """The report on `run` (a run directory, or a file to import) in `fmt`."""
+    from agent.errors import InputError
+
     if run.is_file():
         from analyzers.importers import load
         from analyzers.report import build_report, render_import
@@ -105,14 +153,4 @@ def analyze(
                              f"analyze){why}")
         text = render(build_report(store, by=by, window_ns=window_ns,
                                    steps=store.apart["spans"]), fmt)
-    if output is None:
-        typer.echo(text, nl=False)
-    else:
-        output.write_text(text)
-        # stderr, so that stdout stays clean for pipelines
-        from analyzers.units import fmt_bytes
-
-        typer.echo(f"kvscope analyze: wrote {output} ({fmt}, {fmt_bytes(len(text.encode()))})",
-                   err=True)
-
-
+    return text
