@@ -1,7 +1,7 @@
 """Kineto import speed: kvscope's importer vs Holistic Trace Analysis' loader, same file, same run.
 
     .venv/bin/python benchmarks/bench_kineto_import.py [--repeats 7] [--trace PATH ...]
-        [--make-trace N] [--mode both|process|inproc] [--no-shared]
+        [--make-trace N] [--mode both|process|inproc] [--no-shared] [--phases]
 
 Baseline: HTA's ``TraceAnalysis(trace_dir=...)`` (it parses the trace into its per-rank
 DataFrames) against kvscope's ``analyzers.importers.load`` (it parses the trace into its spans,
@@ -54,6 +54,17 @@ _OURS_PROC = ("import sys; sys.path.insert(0, sys.argv[2]); from pathlib import 
 _OURS_FRAMES_PROC = ("import sys; sys.path.insert(0, sys.argv[2]); from pathlib import Path; "
                      "from analyzers.importers import load; r = load(Path(sys.argv[1])); "
                      "r.requests, r.spans")
+#: the DataFrames child with time marks: numpy + pyarrow, kvscope's modules, the load, pandas'
+#: import, the frames (ms, printed on one line); `--phases` runs it after the timed rounds
+_OURS_PHASES = ("import time; t = [time.perf_counter()]; import sys; "
+                "sys.path.insert(0, sys.argv[2]); from pathlib import Path; "
+                "import numpy, pyarrow; t.append(time.perf_counter()); "
+                "from analyzers.importers import load, kineto; t.append(time.perf_counter()); "
+                "r = load(Path(sys.argv[1])); t.append(time.perf_counter()); import pandas; "
+                "t.append(time.perf_counter()); r.requests, r.spans; "
+                "t.append(time.perf_counter()); "
+                "print(*((b - a) * 1e3 for a, b in zip(t, t[1:]))); sys.stdout.flush()")
+_PHASES = ("numpy+pyarrow import", "kvscope modules", "load", "pandas import", "frames")
 _HTA_PROC = ("import logging, sys; logging.disable(logging.WARNING); "
              "from hta.trace_analysis import TraceAnalysis; TraceAnalysis(trace_dir=sys.argv[1])")
 
@@ -110,6 +121,23 @@ def _report(label: str, hta_s: list[float], ours_s: list[float]) -> float:
     return med
 
 
+def _print_phases(trace: Path, env: dict[str, str], repeats: int) -> None:
+    """Where a kvscope DataFrames process spends its time: the marks of `_OURS_PHASES`, and the
+    rest of the whole process (interpreter start and exit), medians over `repeats` runs."""
+    runs: list[list[float]] = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = subprocess.run([sys.executable, "-c", _OURS_PHASES, str(trace), str(REPO)],
+                             check=True, capture_output=True, text=True, env=env).stdout
+        whole = (time.perf_counter() - t0) * 1e3
+        marks = [float(x) for x in out.split()]
+        runs.append([*marks, whole - sum(marks)])
+    med = [statistics.median(col) for col in zip(*runs, strict=True)]
+    parts = ", ".join(f"{name} {ms:.0f}" for name, ms in
+                      zip((*_PHASES, "interpreter start + exit"), med, strict=True))
+    print(f"  {'kvscope DataFrames phases':28s}: {parts} ms (medians of {repeats} runs)")
+
+
 def _make_trace(n: int, workdir: Path) -> Path:
     out = workdir / f"run-profile-{n}"
     subprocess.run([sys.executable, "-m", "kvscope.cli", "run", "--profile", "-n", str(n),
@@ -126,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="also benchmark the trace of `kvscope run --profile -n N` (repeatable)")
     ap.add_argument("--mode", choices=("both", "process", "inproc"), default="both")
     ap.add_argument("--no-shared", action="store_true", help="skip the shared small traces")
+    ap.add_argument("--phases", action="store_true",
+                    help="after the timed rounds, where a kvscope DataFrames process spends its "
+                    "time (median of --repeats runs; not part of the figures)")
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
@@ -148,12 +179,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} "
               f"on {os.cpu_count()} CPUs")
         for trace in traces:
-            _bench(trace, work, args.repeats, args.mode)
+            _bench(trace, work, args.repeats, args.mode, args.phases)
         print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
 
 
-def _bench(trace: Path, work: Path, repeats: int, mode: str) -> None:
+def _bench(trace: Path, work: Path, repeats: int, mode: str, phases: bool = False
+           ) -> None:
     from analyzers.importers import kineto, load
 
     hdir = _hta_dir(trace, work)
@@ -169,6 +201,8 @@ def _bench(trace: Path, work: Path, repeats: int, mode: str) -> None:
         hta_s, ours_s, df_s = _rounds([hta_p, ours_p, ours_df], repeats)
         _report("whole process, Arrow tables", hta_s, ours_s)
         _report("whole process, DataFrames", hta_s, df_s)
+        if phases:
+            _print_phases(trace, env, repeats)
     if mode in ("both", "inproc"):
         from hta.trace_analysis import TraceAnalysis
 

@@ -78,13 +78,25 @@ class _Frame:
 def frame_of(table: str, tbl: pa.Table) -> pd.DataFrame:
     """An import's ``requests`` or ``spans`` Arrow table as the DataFrame `ImportedRun` gives
     (what `requests_frame` / `spans_frame` return for the same columns)."""
+    import pandas as pd
+
     if table == "requests":
-        import pandas as pd
-
         return tbl.to_pandas(types_mapper={pa.int64(): pd.Int64Dtype()}.get)
-    from agent.runstore.reader import to_pandas  # (and pyarrow.parquet) only when read
+    if tbl.schema.names != SPANS_SCHEMA.names or any(tbl[c].null_count for c in _PLAIN_INTS):
+        from agent.runstore.reader import to_pandas  # (and pyarrow.parquet) only here
 
-    return to_pandas(tbl, SPANS_SCHEMA)
+        return to_pandas(tbl, SPANS_SCHEMA)
+    # What `to_pandas` gives, in one conversion (and without the reader's imports): every
+    # integer column as a nullable one, then the non-nullable ones as numpy int64 again.
+    df = tbl.to_pandas(types_mapper={pa.int64(): pd.Int64Dtype(),
+                                     pa.int32(): pd.Int32Dtype()}.get)
+    for c in _PLAIN_INTS:
+        df[c] = np.array(tbl[c].to_numpy())  # a copy: writable, as to_pandas' columns are
+    return df
+
+
+#: SPANS_SCHEMA's non-nullable integer columns (numpy integers in the frame, not Int64)
+_PLAIN_INTS = [f.name for f in SPANS_SCHEMA if not f.nullable and pa.types.is_integer(f.type)]
 
 
 @dataclass

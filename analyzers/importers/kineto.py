@@ -27,21 +27,24 @@ id`` and the few ``args`` that copies and annotations need, kept as raw JSON unt
 checks them in bulk; a trace that decode refuses (bad JSON, a field of another type, a number out
 of range) is read again by the general path (orjson, or the standard library), which names the
 first field at fault exactly as before. Either way the result is the same `_Events`, vectorised
-from there. The spans and requests are built as Arrow tables, which `ImportedRun` turns into its
-DataFrames when they are first read: an import whose caller reads none never loads pandas (the
-largest import of a small trace's process).
+from there (the typed path reads each field it needs once per event, names only where read).
+The file is read on a thread while this one reads the run store's requests (the read waits and
+copies without the GIL). The spans and requests are built as Arrow tables, which `ImportedRun`
+turns into its DataFrames when they are first read: an import whose caller reads none never
+loads pandas (the largest import of a small trace's process).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import compress
 from operator import attrgetter
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -72,6 +75,7 @@ from analyzers.importers.base import (
 from analyzers.units import fmt_ns
 
 PREFIX = "kvscope."
+_T = TypeVar("_T")
 #: traces older than this many µs since the epoch cannot be epoch timestamps (1 day after 1970)
 _EPOCH_FLOOR_US = 86_400 * 1_000_000
 _REQ_KEYS = ("request_num", "request_id", "kvscope.request_num")
@@ -158,7 +162,8 @@ def load_kineto(path: Path) -> ImportedRun:
         InputError: as `read_trace`, and for an event whose fields are not what the Chrome
             trace format says (``<file>: traceEvents[<i>]: <field>: ...``).
     """
-    ev, base = read_events(path)
+    data, ids = _read_beside(path, lambda: _run_ids(path))
+    ev, base = read_events(path, data)
     run = ImportedRun.empty("kineto", path)
     n_events = len(ev.complete)
 
@@ -203,7 +208,7 @@ def load_kineto(path: Path) -> ImportedRun:
         "categories": dict(sorted(ev.spelled.items())),
     }
     spans = _h2d(run, copies, ev, times)
-    spans += _annotations(run, pick("user_annotation"), ev, times, _run_ids(path), path)
+    spans += _annotations(run, pick("user_annotation"), ev, times, ids, path)
     run.spans = concat_span_tables(spans)
     run.cannot.append("token sources (hits, loads, recompute): accounting columns left <NA>")
     k = run.summary["kernels"]
@@ -234,23 +239,55 @@ class _Events:
         return self.names[i] or ""
 
 
-def read_events(path: Path) -> tuple[_Events, int | None]:
+def read_events(path: Path, data: bytes | None = None) -> tuple[_Events, int | None]:
     """The checked columns of a trace's events and its `baseTimeNanoseconds`.
 
     The typed decode (`_fast_events`) when msgspec is installed and the trace passes its
     checks; otherwise the general path (`read_trace` + `_columns`), which gives the same
     `_Events` for every trace it accepts and names the first field at fault for the others.
 
+    Args:
+        path: the trace.
+        data: its bytes as `read_bytes` gives them, when already read.
     Raises:
         InputError: as `read_trace` and `_columns`.
     """
-    data = read_bytes(path)
+    if data is None:
+        data = read_bytes(path)
     if msgspec is not None:
         fast = _fast_events(data, path)
         if fast is not None:
             return fast
     trace = _parse_trace(data, path)
     return _columns(trace.events, path, trace.base_ns or 0), trace.base_ns
+
+
+def _read_beside(path: Path, work: Callable[[], _T]) -> tuple[bytes, _T]:
+    """`read_bytes(path)` on a thread while `work` runs on this one, and both results (or the
+    read's InputError, raised here once `work` is done): the read waits on the file and copies
+    without the GIL, so `work` (the run store's requests: imports, a Parquet read) overlaps."""
+    out: list[bytes | BaseException] = []
+
+    def read() -> None:
+        try:
+            out.append(read_bytes(path))
+        except BaseException as exc:  # handed to the caller as it is
+            out.append(exc)
+
+    reader = threading.Thread(target=read, name="kvscope-kineto-read", daemon=True)
+    try:
+        reader.start()
+    except RuntimeError:  # no thread to be had (a process at its limit): one after the other
+        res = work()
+        return read_bytes(path), res
+    try:
+        res = work()
+    finally:
+        reader.join()
+    data = out[0]
+    if isinstance(data, BaseException):
+        raise data
+    return data, res
 
 
 def _columns(events: list[Any], path: Path, base: int) -> _Events:
@@ -396,11 +433,16 @@ def _fast_events(data: bytes, path: Path) -> tuple[_Events, int | None] | None:
         if base is not None and not 0 <= base <= TIME_NS_MAX:
             return None
     n = len(events)
-    phs = list(map(attrgetter("ph"), events))
-    complete = np.fromiter(map("X".__eq__, phs), dtype=bool, count=n)
-    ts = np.array(list(map(attrgetter("ts"), events)), dtype=np.float64)  # None → NaN
-    dur = np.array(list(map(attrgetter("dur"), events)), dtype=np.float64)
-    ts_c, dur_c = ts[complete], dur[complete]
+    ph_code, phs = _codes(map(_PH, events), n)
+    complete = _is(ph_code, phs, "X")
+    ts = _floats(events, _TS, n)  # None → NaN
+    n_c = int(np.count_nonzero(complete))
+    try:  # the complete events' dur (the others' is never read)
+        dur_c = np.fromiter(map(_DUR, events if n_c == n else compress(events, complete.tolist())),
+                            dtype=np.float64, count=n_c)
+    except TypeError:  # a complete event without one: the general path names it
+        return None
+    ts_c = ts[complete]
     with np.errstate(invalid="ignore"):
         present = ~np.isnan(ts)
         if (np.isnan(ts_c).any() or np.isnan(dur_c).any()
@@ -411,31 +453,70 @@ def _fast_events(data: bytes, path: Path) -> tuple[_Events, int | None] | None:
         end = (base or 0) + ts_c * 1000 + dur_c * 1000
         if ((end > TIME_NS_MAX) | (end < -TIME_NS_MAX)).any():
             return None
-    dur = np.where(complete, dur, 0.0)
+    dur = np.zeros(n)
+    dur[complete] = dur_c
 
-    raw_cats = list(map(attrgetter("cat"), events))
-    counts = Counter(raw_cats)
-    code_of: dict[str | None, int] = {None: 0}
-    spelled: dict[str, int] = {}
-    for c, k in counts.items():
-        if c is None:
-            continue
-        read = CATEGORIES.get(c.lower())
-        code_of[c] = 0 if read is None else _CAT_CODE[read]
-        if read is not None:
-            spelled[c] = k
-    cats = np.fromiter(map(code_of.__getitem__, raw_cats), dtype=np.int8, count=n)
+    cat_code, raw_cats = _codes(map(_CAT, events), n)
+    counts = np.bincount(cat_code, minlength=len(raw_cats)).tolist()
+    read = [None if c is None else CATEGORIES.get(c.lower()) for c in raw_cats]
+    # each spelling read → its count, in the order first seen (as a Counter gave them)
+    spelled = {c: k for c, r, k in zip(raw_cats, read, counts, strict=True) if r is not None}
+    lut = np.array([0 if r is None else _CAT_CODE[r] for r in read], dtype=np.int8)
+    cats = lut[cat_code]
 
-    names = list(map(attrgetter("name"), events))
-    return _Events(cats, complete, names, _LazyArgs(events), ts, dur, spelled,
-                   lambda: _fast_flows(events, phs)), base
+    return _Events(cats, complete, _LazyNames(events), _LazyArgs(events), ts, dur, spelled,
+                   lambda: _fast_flows(events, ph_code, phs)), base
 
 
-def _fast_flows(events: list[Any], phs: list[str]) -> dict[str, int]:
-    """`_flows` over decoded events (their ids were typed by the decoder: nothing to check)."""
-    n = len(phs)
-    idx_s = np.flatnonzero(np.fromiter(map("s".__eq__, phs), dtype=bool, count=n))
-    idx_f = np.flatnonzero(np.fromiter(map("f".__eq__, phs), dtype=bool, count=n))
+_PH, _CAT, _TS, _DUR = (attrgetter(f) for f in ("ph", "cat", "ts", "dur"))
+
+
+def _codes(values: Iterable[Any], n: int) -> tuple[np.ndarray, list[Any]]:
+    """Each of the `n` values' index among the distinct values (in the order first seen), and
+    those values: one pass, a dict lookup per value."""
+    index = _Index()
+    return np.fromiter(map(index.__getitem__, values), dtype=np.int32, count=n), list(index)
+
+
+class _Index(dict[Any, int]):
+    """value → the number of distinct values before it (assigned on its first lookup)."""
+
+    def __missing__(self, key: Any) -> int:
+        code = self[key] = len(self)
+        return code
+
+
+def _is(code: np.ndarray, of_code: list[Any], value: Any) -> np.ndarray:
+    """Where `code` stands for `value` (`of_code[c]`: what code c stands for)."""
+    return np.array([v == value for v in of_code], dtype=bool)[code]
+
+
+def _floats(events: list[Any], get: Callable[[Any], float | None], n: int) -> np.ndarray:
+    """A float field of every decoded event, NaN where it is None."""
+    try:  # straight from the events when none lacks it (a ts, as a rule)
+        return np.fromiter(map(get, events), dtype=np.float64, count=n)
+    except TypeError:  # a None
+        return np.array(list(map(get, events)), dtype=np.float64)
+
+
+class _LazyNames(Sequence[str | None]):
+    """`name` of the decoded events, read on access (only copies' and annotations' are)."""
+
+    def __init__(self, events: list[Any]) -> None:
+        self._events = events
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+    def __getitem__(self, i: int) -> str | None:  # type: ignore[override]
+        return self._events[i].name
+
+
+def _fast_flows(events: list[Any], ph_code: np.ndarray, phs: list[str]) -> dict[str, int]:
+    """`_flows` over decoded events (their ids were typed by the decoder: nothing to check);
+    `phs[ph_code[i]]` is event i's ph."""
+    idx_s = np.flatnonzero(_is(ph_code, phs, "s"))
+    idx_f = np.flatnonzero(_is(ph_code, phs, "f"))
 
     def key(i: int) -> tuple[str | None, Any]:
         e = events[i]
@@ -525,7 +606,8 @@ def _run_ids(path: Path) -> dict[int, str]:
             from agent.runstore.reader import open_run
 
             try:  # the Arrow table: reading it as a DataFrame would load pandas
-                req = open_run(d, tables=("requests",)).tables["requests"]
+                req = open_run(d, tables=("requests",), columns={
+                    "requests": ("request_num", "request_id")}).tables["requests"]
             except (InputError, OSError):
                 return {}  # not a readable run store: fall back to request_num as the id
             nums = [-1 if n is None else n for n in req["request_num"].to_pylist()]
