@@ -17,11 +17,13 @@ anchor.
 from __future__ import annotations
 
 import fnmatch
+import operator
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from functools import partial
+from typing import Any, NamedTuple, cast
 
 from agent.schema import METRICS_BY_NAME, MetricSpec
 
@@ -54,6 +56,15 @@ class Event(NamedTuple):
     source: str
     name: str
     detail: dict[str, Any] | None
+
+
+#: `Reading((name, labels, value))` and `Sample((ts, ...))`, built as the NamedTuple
+#: constructors build them (`tuple.__new__` of the class) without their Python-level
+#: `__new__`: collectors make dozens a second.
+new_reading = cast("Callable[[tuple[str, tuple[str, ...], float]], Reading]",
+                   partial(tuple.__new__, Reading))
+new_sample = cast("Callable[[tuple[int, str, str | None, str, float, str | None]], Sample]",
+                  partial(tuple.__new__, Sample))
 
 
 @dataclass(slots=True)
@@ -157,12 +168,13 @@ class CounterTracker:
             st = self._state[key] = [list(raws), list(raws), ts_ns, self._gen, None]
             return st, None, 0
         last = st[0]
-        deltas = [r - x for r, x in zip(raws, last, strict=True)]
+        # Element-wise in C (the lengths are equal: checked above, and totals are as long).
+        deltas = list(map(operator.sub, raws, last))
         if min(deltas, default=0) < 0:
             for i, d in enumerate(deltas):
                 if d < 0:
                     deltas[i] = _wrapped_delta(last[i], raws[i])
-        st[1] = [t + d for t, d in zip(st[1], deltas, strict=True)]
+        st[1] = list(map(operator.add, st[1], deltas))
         dt = ts_ns - st[2]
         st[0] = list(raws)
         st[2] = ts_ns
@@ -215,43 +227,63 @@ class Emitter:
               metric: str | None = None) -> None:
         """A catalogued gauge; `metric` overrides the sample's metric name."""
         value = float(value)
-        self.out.readings.append(Reading(name, labels, value))
+        self.out.readings.append(new_reading((name, labels, value)))
         if self.keep:
             short, unit = SAMPLE_NAMING[name]
-            self.out.samples.append(Sample(self.ts, self.source, entity, metric or short,
-                                           value, unit))
+            self.out.samples.append(new_sample((self.ts, self.source, entity, metric or short,
+                                               value, unit)))
 
     def counter(self, name: str, labels: tuple[str, ...], raw: float, entity: str | None,
                 scale: float = 1.0) -> None:
         """A catalogued counter from a raw reading; `scale` converts to base units (RDMA x4)."""
         total, rate = self.counters.update((name, labels), raw, self.ts)
-        self.out.readings.append(Reading(name, labels, total * scale))
+        self.out.readings.append(new_reading((name, labels, total * scale)))
         if rate is not None and self.keep:
             short, unit = SAMPLE_NAMING[name]
-            self.out.samples.append(Sample(self.ts, self.source, entity, short, rate * scale,
-                                           unit))
+            self.out.samples.append(new_sample((self.ts, self.source, entity, short,
+                                               rate * scale, unit)))
 
     def counter_row(self, names: tuple[str, ...], labels: tuple[str, ...], raws: list[int],
                     entity: str | None) -> None:
         """`counter` of each catalogued counter in `names` from its raw reading in `raws`
         (one entity's, e.g. an interface's eight): the same readings and samples, in order.
         A counter that did not move keeps its last `Reading` object (the renderer's
-        unchanged-family check is then an identity test)."""
-        st, deltas, dt = self.counters._advance_row((names, labels), raws, self.ts)
+        unchanged-family check is then an identity test); a row none of whose counters
+        moved (an idle interface) keeps its state and readings as they are."""
+        counters = self.counters
+        key = (names, labels)
+        st = counters._state.get(key)
+        ts = self.ts
+        if st is not None and st[4] is not None and st[0] == raws:
+            # Nothing moved: every delta is 0 (what `_advance_row` would compute), so the
+            # totals and readings stand; only the time and generation advance.
+            dt = ts - st[2]
+            st[2] = ts
+            st[3] = counters._gen
+            rows = st[4]
+            self.out.readings.extend(rows)
+            if dt > 0 and self.keep:
+                source, add = self.source, self.out.samples.append
+                for name in names:
+                    short, unit = SAMPLE_NAMING[name]
+                    add(new_sample((ts, source, entity, short, 0.0, unit)))
+            return
+        st, deltas, dt = counters._advance_row(key, raws, ts)
         totals = st[1]
         prev = st[4]
         if prev is None or deltas is None:
-            rows = [Reading(n, labels, float(t)) for n, t in zip(names, totals, strict=True)]
+            rows = [new_reading((n, labels, float(t)))
+                    for n, t in zip(names, totals, strict=True)]
         else:
-            rows = [p if d == 0 else Reading(n, labels, float(t))
+            rows = [p if d == 0 else new_reading((n, labels, float(t)))
                     for p, d, n, t in zip(prev, deltas, names, totals, strict=True)]
         st[4] = rows
         self.out.readings.extend(rows)
         if deltas is not None and dt > 0 and self.keep:
-            ts, source, add = self.ts, self.source, self.out.samples.append
+            source, add = self.source, self.out.samples.append
             for name, d in zip(names, deltas, strict=True):
                 short, unit = SAMPLE_NAMING[name]
-                add(Sample(ts, source, entity, short, d * 1e9 / dt * 1.0, unit))
+                add(new_sample((ts, source, entity, short, d * 1e9 / dt * 1.0, unit)))
 
     def rate(self, key: Hashable, raw: float, entity: str | None, metric: str,
              unit: str | None, scale: float = 1.0) -> float | None:
@@ -259,14 +291,14 @@ class Emitter:
         _, r = self.counters.update(key, raw, self.ts)
         if r is not None:
             if self.keep:
-                self.out.samples.append(Sample(self.ts, self.source, entity, metric, r * scale,
-                                               unit))
+                self.out.samples.append(new_sample((self.ts, self.source, entity, metric,
+                                                    r * scale, unit)))
             return r * scale
         return None
 
     def reading(self, name: str, labels: tuple[str, ...], value: float) -> None:
         """An exposed series with no sample (e.g. XID counts, already recorded as events)."""
-        self.out.readings.append(Reading(name, labels, float(value)))
+        self.out.readings.append(new_reading((name, labels, float(value))))
 
     def event(self, name: str, detail: dict[str, Any] | None = None) -> None:
         self.out.events.append(Event(self.ts, self.source, name, detail))

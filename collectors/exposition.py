@@ -98,6 +98,7 @@ class TextRenderer:
         # Label names sorted like generate_latest; `order` maps sorted position → value index.
         self._order = {s.name: sorted(range(len(s.labels)), key=lambda i, s=s: s.labels[i])
                        for s in specs}
+        self._plan = [(s.name, self._header[s.name], s) for s in specs]
         # series → [prefix, last value, last line]: a counter that did not move (most error
         # and drop counters) or a constant gauge is not formatted again.
         self._prefix: dict[tuple[str, tuple[str, ...]], list[Any]] = {}
@@ -119,26 +120,29 @@ class TextRenderer:
             self._block.clear()
         prefix = self._prefix
         blocks = self._block
+        get = readings.get
         out: list[str] = []
-        for s in self.specs:
-            rows = readings.get(s.name)
+        for name, header, s in self._plan:
+            rows = get(name)
             if not rows:
                 continue
-            last = blocks.get(s.name)
+            last = blocks.get(name)
             if last is not None and last[0] == rows:
                 out.append(last[1])
                 continue
-            start = len(out)
-            out.append(self._header[s.name])
+            lines = [header]
             for r in rows:
-                key = (s.name, r.labels)
+                key = (name, r.labels)
                 c = prefix.get(key)
+                value = r.value
                 if c is None:
                     p = self._make_prefix(s, r.labels)
-                    c = prefix[key] = [p, r.value, f"{p}{floatToGoString(r.value)}\n"]
-                elif c[1] != r.value or r.value != r.value:  # moved (or NaN)
-                    c[1] = r.value
-                    c[2] = f"{c[0]}{floatToGoString(r.value)}\n"
-                out.append(c[2])
-            blocks[s.name] = (rows, "".join(out[start:]))
+                    c = prefix[key] = [p, value, f"{p}{floatToGoString(value)}\n"]
+                elif c[1] != value or value != value:  # moved (or NaN)
+                    c[1] = value
+                    c[2] = f"{c[0]}{floatToGoString(value)}\n"
+                lines.append(c[2])
+            text = "".join(lines)
+            blocks[name] = (rows, text)
+            out.append(text)
         return "".join(out).encode()

@@ -30,6 +30,7 @@ counters go through `Emitter.counter_row` (one call for its eight).
 from __future__ import annotations
 
 import logging
+import operator
 import os
 
 from agent.clock import now_ns
@@ -66,9 +67,10 @@ MAX_OPEN_INTERFACES = 256
 class _OpenNic:
     """The open `statistics/rx_dropped` and `speed` (or -1) files of one interface."""
 
-    __slots__ = ("drop", "ino", "speed")
+    __slots__ = ("drop", "ino", "path", "speed")
 
-    def __init__(self, ino: int, drop: int, speed: int) -> None:
+    def __init__(self, path: str, ino: int, drop: int, speed: int) -> None:
+        self.path = path  # the interface's entry in class/net
         self.ino = ino
         self.drop = drop
         self.speed = speed
@@ -98,6 +100,7 @@ def parse_proc_net_dev(text: str) -> dict[str, list[int]]:
 
 
 _COLS = tuple(col for _, col, _ in NIC_COUNTERS)
+_PICK = operator.itemgetter(*_COLS)
 #: The catalogued counters of one interface, in `NIC_COUNTERS` order.
 _ROW = tuple(metric for _, _, metric in NIC_COUNTERS)
 
@@ -106,7 +109,7 @@ def _net_dev_rows(data: bytes) -> dict[str, list[int]]:
     """`/proc/net/dev` → interface → its catalogued counters in `NIC_COUNTERS` order (what
     `parse_proc_net_dev` gives, the eight columns picked), in the file's order."""
     out: dict[str, list[int]] = {}
-    c0, c1, c2, c3, c4, c5, c6, c7 = _COLS
+    pick = _PICK
     for line in data.split(b"\n")[2:]:
         name, sep, rest = line.partition(b":")
         if not sep:
@@ -114,8 +117,7 @@ def _net_dev_rows(data: bytes) -> dict[str, list[int]]:
         v = rest.split()
         if len(v) < 16:
             continue
-        out[name.strip().decode()] = [int(v[c0]), int(v[c1]), int(v[c2]), int(v[c3]),
-                                      int(v[c4]), int(v[c5]), int(v[c6]), int(v[c7])]
+        out[name.strip().decode()] = list(map(int, pick(v)))
     return out
 
 
@@ -276,16 +278,16 @@ class NicCollector(BaseCollector):
     def _read_open(self, dev: str) -> tuple[int, int | None] | None:
         """(sysfs rx_dropped, speed in Mb/s or None) of `dev` through its kept-open files;
         None when it has no statistics directory."""
-        path = os.path.join(self.net_dir, dev)
         nic = self._open.get(dev)
         if nic is not None:
             try:
-                if os.lstat(path).st_ino == nic.ino:
+                if os.lstat(nic.path).st_ino == nic.ino:
                     return nic.read()
             except OSError:
                 pass  # removed (ENODEV through the old descriptors) or gone from the listing
             del self._open[dev]
             nic.close()
+        path = os.path.join(self.net_dir, dev)
         if len(self._open) >= MAX_OPEN_INTERFACES:
             try:
                 return read_int(os.path.join(path, "statistics", "rx_dropped")), self._speed(dev)
@@ -300,7 +302,7 @@ class NicCollector(BaseCollector):
             speed = os.open(os.path.join(path, "speed"), os.O_RDONLY)
         except OSError:
             speed = -1
-        nic = self._open[dev] = _OpenNic(ino, drop, speed)
+        nic = self._open[dev] = _OpenNic(path, ino, drop, speed)
         return nic.read()
 
     def _read_sysfs_paths(self, dev: str) -> list[int] | None:

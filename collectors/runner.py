@@ -33,6 +33,7 @@ throughput) then cover the time since the previous run, at least `max_age_s`.
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -40,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent.clock import ClockAnchor, now_ns, process_anchor
-from collectors.base import BaseCollector, Collection, Event, Reading
+from collectors.base import BaseCollector, Collection, Event, Reading, new_reading
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,8 @@ class CollectorRunner:
         self.idle_interval_s = idle_interval_s
         self.inline_max_s = inline_max_s
         self._demand: dict[str, _Demand] = {c.name: _Demand() for c in self.collectors}
+        #: collector → (the reading names of its last collection, how to group them)
+        self._layouts: dict[str, tuple[tuple[str, ...], list[Any]]] = {}
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -360,15 +363,25 @@ class CollectorRunner:
         return dict(self._latest)
 
     def readings(self) -> dict[str, list[Reading]]:
-        """Every exposed series now, grouped by metric name (collector output + health)."""
+        """Every exposed series now, grouped by metric name (collector output + health), each
+        name's readings in collector order, then in the order its collector gave them."""
         out: dict[str, list[Reading]] = {}
-        for col in list(self._latest.values()):
-            for r in col.readings:
-                lst = out.get(r.name)
+        layouts = self._layouts
+        for cname, col in list(self._latest.items()):
+            rs = col.readings
+            names = tuple(map(_NAME, rs))
+            layout = layouts.get(cname)
+            if layout is None or layout[0] != names:
+                # A collector gives the same series run after run: group by positions
+                # worked out once per layout, not name by name.
+                layout = layouts[cname] = (names, _group_positions(names))
+            for name, pick in layout[1]:
+                rows = pick(rs)
+                lst = out.get(name)
                 if lst is None:
-                    out[r.name] = [r]
+                    out[name] = rows
                 else:
-                    lst.append(r)
+                    lst.extend(rows)
         for r in self.health_readings():
             out.setdefault(r.name, []).append(r)
         return out
@@ -380,13 +393,39 @@ class CollectorRunner:
         for name, h in self.health.items():
             lab = (name,)
             if h.last_duration_s is not None:
-                out.append(Reading("kvscope_collector_duration_seconds", lab, h.last_duration_s))
-            out.append(Reading("kvscope_collector_errors_total", lab, float(h.errors)))
-            out.append(Reading("kvscope_collector_dropped_samples_total", lab, float(h.dropped)))
+                out.append(new_reading(("kvscope_collector_duration_seconds", lab,
+                                        h.last_duration_s)))
+            out.append(new_reading(("kvscope_collector_errors_total", lab, float(h.errors))))
+            out.append(new_reading(("kvscope_collector_dropped_samples_total", lab,
+                                        float(h.dropped))))
             if h.last_success_ns is not None:
-                out.append(Reading("kvscope_collector_last_success_timestamp_seconds", lab,
-                                   (h.last_success_ns + off) / 1e9))
+                out.append(new_reading(("kvscope_collector_last_success_timestamp_seconds", lab,
+                                        (h.last_success_ns + off) / 1e9)))
         return out
+
+
+_NAME = operator.itemgetter(0)  # Reading.name
+
+
+def _group_positions(names: tuple[str, ...]
+                     ) -> list[tuple[str, Callable[[list[Reading]], list[Reading]]]]:
+    """For readings named `names` (in order): each distinct name, first seen first, with a
+    function returning that name's readings (a new list, in order) from such a list."""
+    where: dict[str, list[int]] = {}
+    for i, n in enumerate(names):
+        where.setdefault(n, []).append(i)
+    out: list[tuple[str, Callable[[list[Reading]], list[Reading]]]] = []
+    for n, idx in where.items():
+        if len(idx) == 1:
+            i = idx[0]
+            out.append((n, lambda rs, i=i: [rs[i]]))
+        elif idx == list(range(idx[0], idx[-1] + 1)):
+            sl = slice(idx[0], idx[-1] + 1)
+            out.append((n, lambda rs, sl=sl: rs[sl]))
+        else:
+            get = operator.itemgetter(*idx)
+            out.append((n, lambda rs, get=get: list(get(rs))))
+    return out
 
 
 def _describe(exc: BaseException) -> str:

@@ -4,21 +4,37 @@ Collector threads call `offer()` (cheap: an append under a lock); the agent's ma
 `flush()` every `--flush-interval`, which turns everything buffered into one `samples` part and
 one `events` part (atomic renames by `RunStoreWriter`), then deletes the oldest sample/event
 parts while the store exceeds its disk bound (readers report them as gaps).
+
+The bound is kept without listing the store at every flush (`RunStoreWriter.prune` stats every
+part, so an agent's flush would cost more the longer it runs): the sink lists the parts once
+when it opens the store, then adds each part it writes (one `stat`) and drops each it deletes;
+the parts go oldest first in `RunStoreWriter.prune`'s order (modification time, sequence
+number, name). Nothing else writes the store while the agent runs (a second agent is
+refused); a part someone else deleted meanwhile makes the sink list the store again.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
+import os
 import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
+from agent.runstore.layout import PART_RE
 from agent.runstore.writer import RunStoreWriter
+from agent.schema import TABLES
 from agent.telemetry.tables import events_table, samples_table
 from collectors.base import Collection
 
 log = logging.getLogger(__name__)
+
+#: The tables whose parts the disk bound may delete (`RunStoreWriter.prune`'s default).
+PRUNABLE = ("samples", "events")
+_RANK = {t: i for i, t in enumerate(TABLES)}
 
 
 @dataclass(slots=True)
@@ -53,6 +69,66 @@ class StoreSink:
         self._pending_samples = 0
         self.pruned_parts = 0
         self.write_errors = 0
+        # With a disk bound: bytes of every published part, and the prunable parts as
+        # (mtime_ns, seq, name, table's rank in TABLES, path, size), sorted: prune's order
+        # (its ties, the same name in two tables at the same mtime, go in TABLES order).
+        self._disk_bytes = 0
+        self._prunable: list[tuple[int, int, str, int, Path, int]] = []
+        self._listed = False
+        if max_disk_bytes is not None:
+            try:
+                self._list_parts()
+            except OSError:
+                pass  # the first flush lists it (and says so if it still cannot)
+
+    def _list_parts(self) -> None:
+        """Take the store's parts from the disk (as `RunStoreWriter.disk_bytes` and `prune`
+        see them)."""
+        parts = self.writer._parts(tuple(TABLES))
+        self._listed = True
+        self._disk_bytes = sum(size for _, _, size, _ in parts)
+        self._prunable = sorted((mtime, seq, p.name, _RANK[p.parent.name], p, size)
+                                for mtime, seq, size, p in parts if p.parent.name in PRUNABLE)
+
+    def _wrote(self, table: str, path: Path | None) -> None:
+        """Account for the part `path` just published in `table`."""
+        if path is None or not self._listed:
+            return  # no bound (yet): a bound set later lists the store first
+        try:
+            st = os.stat(path)
+        except OSError:  # deleted already: let the disk say
+            self._list_parts()
+            return
+        self._disk_bytes += st.st_size
+        m = PART_RE.match(path.name)
+        if table in PRUNABLE and m is not None:
+            bisect.insort(self._prunable, (st.st_mtime_ns, int(m.group(1)), path.name,
+                                           _RANK[table], path, st.st_size))
+
+    def _prune(self, max_bytes: int) -> int:
+        """Delete the oldest prunable parts while the store exceeds `max_bytes` (what
+        `RunStoreWriter.prune` does, from the sink's account); returns the parts deleted."""
+        deleted = 0
+        while True:
+            parts = self._prunable
+            done = 0
+            gone = False  # a part someone else deleted: the account is off, list again
+            try:
+                while self._disk_bytes > max_bytes and done < len(parts):
+                    path, size = parts[done][4:]
+                    try:
+                        path.unlink()
+                        deleted += 1
+                    except FileNotFoundError:
+                        gone = True
+                    self._disk_bytes -= size
+                    done += 1
+            finally:
+                del parts[:done]
+                if gone:
+                    self._list_parts()
+            if not gone:
+                return deleted
 
     def offer(self, name: str, col: Collection) -> int:
         """Queue one collector run (the runner's `on_samples`); returns samples dropped."""
@@ -81,10 +157,11 @@ class StoreSink:
             off = self.writer.anchor.offset_ns
             try:
                 if samples:
-                    self.writer.write("samples", samples_table(samples, off))
+                    self._wrote("samples",
+                                self.writer.write("samples", samples_table(samples, off)))
                     res.samples = len(samples)
                 if events:
-                    self.writer.write("events", events_table(events, off))
+                    self._wrote("events", self.writer.write("events", events_table(events, off)))
                     res.events = len(events)
             except OSError as exc:
                 self.write_errors += 1
@@ -97,7 +174,9 @@ class StoreSink:
                             self.on_dropped(name, len(c.samples))
             if self.max_disk_bytes is not None:
                 try:
-                    res.pruned_parts = self.writer.prune(self.max_disk_bytes)
+                    if not self._listed:
+                        self._list_parts()
+                    res.pruned_parts = self._prune(self.max_disk_bytes)
                 except OSError as exc:
                     log.error("kvscope agent: pruning the run store failed: %s", exc)
                 if res.pruned_parts:

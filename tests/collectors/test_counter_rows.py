@@ -63,3 +63,26 @@ def test_counters_that_did_not_move_keep_their_reading_objects():
     same = [x is y for x, y in zip(first.out.readings, second.out.readings, strict=True)]
     assert same == [True, False, True, True]
     assert second.out.readings[1].value == 5.0
+
+
+def test_an_idle_row_gives_what_counter_gives_and_keeps_its_readings():
+    one, row = CounterTracker(), CounterTracker()
+    raws = [5, 2**32 - 1, 0, 2**40]
+    labels = ("ifb0",)
+    kept = None
+    for cycle in range(5):
+        ts = S * (cycle + 1)
+        a = Emitter("nic", ts, one)
+        b = Emitter("nic", ts, row)
+        for name, raw in zip(NAMES, raws, strict=True):
+            a.counter(name, labels, raw, "ifb0")
+        b.counter_row(NAMES, labels, list(raws), "ifb0")
+        assert b.out.readings == a.out.readings
+        assert b.out.samples == a.out.samples
+        assert [s.value for s in b.out.samples] == ([0.0] * len(NAMES) if cycle else [])
+        if kept is not None:
+            assert all(x is y for x, y in zip(b.out.readings, kept, strict=True))
+        kept = b.out.readings
+        one.end_cycle()
+        row.end_cycle()
+    assert len(row) == 1  # the idle row stays current: end_cycle keeps it
