@@ -58,6 +58,7 @@ class EngineInstrumentation:
         self._phase_ranges: list[int] = []
         self._remote_ops: dict[tuple[str, str], int] = {}
         self._remote_total = 0  # the sum of `_remote_ops`' counts
+        self._remote_metrics: dict[tuple[str, str], str] = {}  # (op, outcome) → its metric
         # Whether the recorder makes NVTX calls at all (fixed when it was built): without a
         # tool attached the phase push/pop would be calls that record nothing.
         self._nvtx = recorder.nvtx is not None and recorder.nvtx.real
@@ -111,8 +112,8 @@ class EngineInstrumentation:
         spans (`forward` (start, end) on the CPU clock; on CUDA the forward's span comes from
         the interval timer when its events resolve), each pool's occupancy as samples, the
         remote tier's operation counts that changed (cumulative, `remote_<op>_<outcome>`, the
-        run store's view of kvscope_remote_operations_total) and the engine's status (built
-        when an exporter reads it); then the device's evictions since the last step as one
+        run store's view of kvscope_remote_operations_total), the engine's status (built
+        when an exporter reads it) and the device's evictions since the last step as one
         event."""
         rec = self.rec
         host = None
@@ -124,9 +125,7 @@ class EngineInstrumentation:
                 extra = self._remote_changes(flow.remote)
         rec.engine_step(step_id, t0, t1, t2, t3, t4, forward, batch, tokens, device, host,
                         extra, status=(_engine_status, (running, waiting, preemptions, device,
-                                                        host, flow)))
-        if evicted:
-            rec.event("eviction", t=t4, detail={"tier": "device", "blocks": evicted})
+                                                        host, flow)), evicted=evicted)
         if not self._cpu:
             self._resolved_forwards()
 
@@ -140,10 +139,14 @@ class EngineInstrumentation:
         self._remote_total = total
         rows = []
         seen = self._remote_ops
+        metrics = self._remote_metrics
         for key, n in remote.stats.outcome_counts().items():
             if seen.get(key) != n:
                 seen[key] = n
-                rows.append((f"remote_{key[0]}_{key[1]}", n, "remote", "operations"))
+                metric = metrics.get(key)
+                if metric is None:
+                    metric = metrics[key] = f"remote_{key[0]}_{key[1]}"
+                rows.append((metric, n, "remote", "operations"))
         return rows
 
     def _resolved_forwards(self, final: bool = False) -> None:

@@ -272,16 +272,23 @@ class RequestLifecycle:
             return
         rn = req.request_num
         rec.first_token(rn, t)
+        hit, recomputed, prompt = a.device_hit_tokens, a.recomputed_tokens, a.prompt_tokens
         loaded = a.host_loaded_tokens + a.remote_loaded_tokens
-        split = (self.layer_split(a.device_hit_tokens, loaded) if self.layer_split is not None
-                 else None)
-        rows = []
-        recomputed, prompt = a.recomputed_tokens, a.prompt_tokens
-        for layer in range(self.num_layers):
-            load_ns, wait_ns = layer_times(req, layer) if layer_times else (0, 0)
-            hit, got, skipped = (split[layer] if split is not None
-                                 else (a.device_hit_tokens, loaded, 0))
-            rows.append((hit, got, recomputed, prompt, load_ns, wait_ns, skipped))
+        layers = range(self.num_layers)
+        rows: list[tuple[int, int, int, int, int, int, int]]
+        if self.layer_split is None:  # every layer alike but its load and wait times
+            if layer_times is None:
+                rows = [(hit, loaded, recomputed, prompt, 0, 0, 0)] * self.num_layers
+            else:
+                rows = [(hit, loaded, recomputed, prompt, *layer_times(req, layer), 0)
+                        for layer in layers]
+        else:
+            split = self.layer_split(hit, loaded)
+            rows = []
+            for layer in layers:
+                load_ns, wait_ns = layer_times(req, layer) if layer_times else (0, 0)
+                h, got, skipped = split[layer]
+                rows.append((h, got, recomputed, prompt, load_ns, wait_ns, skipped))
         rec.layers(rn, rows)  # one call per request
 
     def preempted(self, req: Request, lost_tokens: int, t: int | None = None) -> None:

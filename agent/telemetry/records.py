@@ -185,15 +185,58 @@ class OtherRecords:
         is published)."""
         try:
             t_now = -1
+            names = self._names
+            if _get_ident() == self._owner:
+                seg = self._act.active
+                i = seg.n
+                if i + len(rows) <= seg.cap:
+                    # Packed straight into the active segment past its published rows, then
+                    # published together: a bad value raises before any of them is published.
+                    pack, buf, size = seg.pack, seg.buf, seg.row_bytes
+                    at = i * size
+                    for name, rn, t, tier, tokens, nbytes, block, transfer_id, layer in rows:
+                        if t is None:
+                            if t_now < 0:
+                                t_now = self._clock()
+                            t = t_now
+                        else:
+                            t = _index(t)
+                        code = names.get(name)
+                        if code is None:
+                            code = self.intern(name)
+                        tcode = -1 if tier is None else TIER_CODE[tier]
+                        if not -1 <= block <= I32_MAX:
+                            raise ValueError(f"block out of range: {block}")
+                        if not -1 <= layer <= I32_MAX:
+                            raise ValueError(f"layer out of range: {layer}")
+                        pack(buf, at, rn, code, t, t, tcode, layer, tokens, nbytes, transfer_id,
+                             CLOCK_CPU, KIND_LEDGER, block)
+                        at += size
+                    seg.n = i + len(rows)
+                    ids = self._ids
+                    for row in rows:
+                        if row[1] != -1 and row[1] not in ids:
+                            self._count_unknown()
+                    return
             packed = []
-            for name, rn, t, *rest in rows:
+            # `_ledger_row` inlined (a transfer's or a step's rows, on the engine loop).
+            for name, rn, t, tier, tokens, nbytes, block, transfer_id, layer in rows:
                 if t is None:
                     if t_now < 0:
                         t_now = self._clock()
                     t = t_now
                 else:
                     t = _index(t)
-                packed.append(self._ledger_row(name, rn, t, *rest))
+                code = names.get(name)
+                if code is None:
+                    code = self.intern(name)
+                tcode = -1 if tier is None else TIER_CODE[tier]
+                if not -1 <= block <= I32_MAX:
+                    raise ValueError(f"block out of range: {block}")
+                if not -1 <= layer <= I32_MAX:
+                    raise ValueError(f"layer out of range: {layer}")
+                packed.append((rn, code, t, t, tcode, layer, tokens, nbytes, transfer_id,
+                               CLOCK_CPU, KIND_LEDGER, block))
             self._put_rows(packed)
         except Exception:
             self._error()
@@ -235,6 +278,32 @@ class OtherRecords:
             code = self._names.get("lookup")
             if code is None:
                 code = self.intern("lookup")
+            if _get_ident() == self._owner:
+                seg = self._act.active
+                i = seg.n
+                k = 2 * len(probes)
+                if i + k <= seg.cap:
+                    # Checked, then packed straight into the active segment past its
+                    # published rows and published together.
+                    checked = []
+                    for tier, t0, t1, first, blocks in probes:
+                        tcode = TIER_CODE[tier]
+                        if not -1 <= first <= I32_MAX:
+                            raise ValueError(f"block out of range: {first}")
+                        checked.append((tcode, t0, t1, first, blocks * block_size))
+                    if rn != -1 and rn not in self._ids:  # counted before the stores
+                        for _ in range(k):
+                            self._count_unknown()
+                    pack, buf, size = seg.pack, seg.buf, seg.row_bytes
+                    at = i * size
+                    for tcode, t0, t1, first, tokens in checked:
+                        pack(buf, at, rn, code, t0, t1, tcode, -1, tokens, -1, -1, CLOCK_CPU,
+                             KIND_ACTIVITY, -1)
+                        pack(buf, at + size, rn, code, t1, t1, tcode, -1, tokens, -1, -1,
+                             CLOCK_CPU, KIND_LEDGER, first)
+                        at += 2 * size
+                    seg.n = i + k
+                    return
             rows = []
             for tier, t0, t1, first, blocks in probes:
                 tcode = TIER_CODE[tier]
@@ -338,7 +407,8 @@ class OtherRecords:
                     forward: tuple[int, int] | None, batch_requests: int, tokens: int,
                     device: tuple[int, int, int], host: tuple[int, int, int] | None = None,
                     extra: Sequence[tuple[str, float, str | None, str | None]] = (), *,
-                    status: tuple[Any, tuple[Any, ...]] | None = None) -> None:
+                    status: tuple[Any, tuple[Any, ...]] | None = None,
+                    evicted: int = 0) -> None:
         """Everything one engine step records, in one call (the engine loop's, once a step),
         stored as one packed row that the drain expands (`tables.engine_steps`):
 
@@ -349,17 +419,27 @@ class OtherRecords:
           `pool` samples in blocks at t4, then the `extra` pool samples (metric, value,
           entity, unit) at t4: the rows of `samples("pool", ...)`;
         - `status`: (builder, args), the engine's status as `builder(*args)` builds it when it
-          is read (`Recorder.status`); None leaves the published one.
+          is read (`Recorder.status`); None leaves the published one;
+        - `evicted`: the device's evictions since the last step, when any, as the event of
+          `event("eviction", t=t4, detail={"tier": "device", "blocks": evicted})` (recorded
+          whatever happens to the rest, as that call would be).
 
-        A bad value records none of it (the packed store checks every value first).
+        A bad value records none of the step's rows (the packed store checks every value
+        first).
         """
         try:
             if not -1 <= batch_requests <= I32_MAX:
                 raise ValueError(f"batch_requests out of range: {batch_requests}")
             f0, f1 = (-1, -1) if forward is None else forward
-            h0, h1, h2 = (-1, -1, -1) if host is None else host
-            if min(*device, *(() if host is None else host)) < 0:
-                raise ValueError("pool counts must be >= 0")
+            d0, d1, d2 = device
+            if host is None:
+                h0 = h1 = h2 = -1
+                if d0 < 0 or d1 < 0 or d2 < 0:
+                    raise ValueError("pool counts must be >= 0")
+            else:
+                h0, h1, h2 = host
+                if min(d0, d1, d2, h0, h1, h2) < 0:
+                    raise ValueError("pool counts must be >= 0")
             if _get_ident() != self._owner:
                 self._engine_step_foreign(step_id, t0, t1, t2, t3, t4, forward,
                                           batch_requests, tokens, device, host)
@@ -376,7 +456,7 @@ class OtherRecords:
                 else:
                     # One C call checks and stores the whole row; published by the count.
                     seg.pack(seg.buf, i * seg.row_bytes, step_id, t0, t1, t2, t3, t4, f0, f1,
-                             batch_requests, tokens, *device, h0, h1, h2)
+                             batch_requests, tokens, d0, d1, d2, h0, h1, h2)
                     seg.n = i + 1
             if extra:
                 self.samples("pool", extra, t=t4)
@@ -384,6 +464,18 @@ class OtherRecords:
                 self._pub = status
         except Exception:
             self._error()
+        if evicted:
+            # `event`'s row, without its call and checks (the name, source and detail are
+            # ours; `t4` as `event` takes it).
+            try:
+                row = (_index(t4), "engine", "eviction", None,
+                       {"tier": "device", "blocks": evicted})
+                if len(self._events) >= self._max_rows:
+                    self._drop("events")
+                else:
+                    self._events.append(row)
+            except Exception:
+                self._error()
 
     def _engine_step_foreign(self, step_id: int, t0: int, t1: int, t2: int, t3: int, t4: int,
                              forward: tuple[int, int] | None, batch_requests: int, tokens: int,
@@ -441,29 +533,34 @@ class OtherRecords:
         (hit_tokens, loaded_tokens, recomputed_tokens, prompt_tokens, load_ns, wait_ns,
         skipped_tokens). Same rows as `layer` once per layer, for one call's overhead."""
         try:
-            rid = self._request_id(rn)
+            rid = None if rn == -1 else self._ids.get(rn)  # `_request_id`, inlined
             if rid is None:
+                if rn != -1:
+                    self._count_unknown()
                 return
             if len(rows) > I32_MAX:
                 raise ValueError(f"too many layers: {len(rows)}")
+            tbl = self._layers
+            n = len(rows)
+            seg = tbl.active
+            i = seg.n
+            if i + n <= seg.cap and _get_ident() == self._owner:
+                # Row-major: one packed store per row checks its values (and their number:
+                # rn, the layer and 7); the rows are published together, so a bad one
+                # records none of them.
+                pack, buf, size = seg.pack, seg.buf, seg.row_bytes
+                at = i * size
+                for layer, r in enumerate(rows):
+                    pack(buf, at, rn, layer, *r)
+                    at += size
+                seg.n = i + n
+                return
             if any(len(r) != 7 for r in rows):
                 raise ValueError("each layer row has 7 values")
             full = [(rn, layer, *r) for layer, r in enumerate(rows)]
-            tbl = self._layers
-            if threading.get_ident() != self._owner:
+            if _get_ident() != self._owner:
                 for row in full:
                     self._append_foreign(tbl, row, rn, rid)
-                return
-            # Row-major: one packed store per row checks its values; the rows are published
-            # together, so a bad one records none of them.
-            n = len(full)
-            seg = tbl.active
-            i = seg.n
-            if i + n <= seg.cap:
-                pack, buf, size = seg.pack, seg.buf, seg.row_bytes
-                for j, row in enumerate(full):
-                    pack(buf, (i + j) * size, *row)
-                seg.n = i + n
                 return
             array("q", [v for row in full for v in row])  # checked before the first store
             for row in full:

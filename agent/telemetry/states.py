@@ -290,4 +290,9 @@ def output_digest(token_ids: Sequence[int]) -> str:
     data = array("q", token_ids)
     if sys.byteorder != "little":
         data.byteswap()
-    return hashlib.blake2b(data.tobytes(), digest_size=16, person=b"kvscope.output").hexdigest()
+    h = _DIGEST.copy()  # the keyed state built once; the array hashed in place (no copy)
+    h.update(data)
+    return h.hexdigest()
+
+
+_DIGEST = hashlib.blake2b(digest_size=16, person=b"kvscope.output")

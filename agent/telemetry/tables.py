@@ -29,7 +29,7 @@ from agent.schema import (
     STATES,
     TIERS,
 )
-from agent.telemetry.buffers import Chunk, chunk_waits
+from agent.telemetry.buffers import Chunk
 
 LAYER_COLS = ("request_num", "layer", "hit_tokens", "loaded_tokens", "recomputed_tokens",
               "prompt_tokens", "load_ns", "wait_ns", "skipped_tokens")
@@ -51,6 +51,7 @@ _I32 = pa.int32()
 _STR = pa.string()
 _F64 = pa.float64()
 _LIST_I64 = pa.list_(_I64)
+_I64_MIN, _I64_MAX = -(2 ** 63), 2 ** 63 - 1
 
 
 def _decode(codes: np.ndarray, vocab: pa.Array) -> pa.Array:
@@ -98,17 +99,36 @@ def _ints(type_: pa.DataType, values: np.ndarray, valid: np.ndarray | None = Non
 def _request_words(nums: np.ndarray, ids: IdLookup) -> tuple[np.ndarray, list[str]]:
     """Codes of every row's request_id into a list of this drain's ids (-1: a negative or
     unknown number), one lookup per distinct number (no Python object per row)."""
-    uniq, inverse = np.unique(nums, return_inverse=True)
+    n = len(nums)
+    if not n:
+        return np.empty(0, dtype=np.int64), []
+    lo, hi = int(nums.min()), int(nums.max())
+    dense = hi - lo <= 4 * n + 4096
+    if dense:
+        # Request numbers come from a counter: a table over [lo, hi] instead of a sort.
+        at = nums - lo
+        seen = np.zeros(hi - lo + 1, dtype=bool)
+        seen[at] = True
+        distinct = (np.flatnonzero(seen) + lo).tolist()
+    else:
+        uniq, inverse = np.unique(nums, return_inverse=True)
+        at = inverse.reshape(-1)
+        distinct = uniq.tolist()
     words: list[str] = []
-    remap = np.empty(len(uniq), dtype=np.int64)
-    for j, u in enumerate(uniq.tolist()):
+    codes: list[int] = []
+    for u in distinct:
         rid = ids.get(u) if u >= 0 else None
         if rid is None:
-            remap[j] = -1
+            codes.append(-1)
         else:
-            remap[j] = len(words)
+            codes.append(len(words))
             words.append(rid)
-    return remap[inverse.reshape(-1)], words
+    remap = np.array(codes, dtype=np.int64)
+    if dense and len(distinct) != hi - lo + 1:  # gaps: indexed by number, not by rank
+        full = np.full(hi - lo + 1, -1, dtype=np.int64)
+        full[np.array(distinct, dtype=np.int64) - lo] = remap
+        remap = full
+    return remap[at], words
 
 
 
@@ -242,12 +262,49 @@ def spans_table(state: list[Chunk], act: list[Chunk], step: list[Chunk], steps: 
     i32 = cols[[_LAYER, _BATCH, _BLOCKCOL]].astype(np.int32)
     layer, batch, block = (ints(_I32, i32[i], j)
                            for i, j in enumerate((_LAYER, _BATCH, _BLOCKCOL)))
-    waits = chunk_waits(state) if state else None
+    waits = _waits_column(state, n) if state else None
     return pa.Table.from_arrays([
         request_id, rn, kind, name, start, end, tier, layer, tokens, nbytes, step_id, transfer,
-        pa.nulls(n, _LIST_I64) if waits is None
-        else list_i64_array(waits + [None] * (n - ns)),
+        pa.nulls(n, _LIST_I64) if waits is None else waits,
         clock, batch, block], schema=SPANS_SCHEMA)
+
+
+def _waits_column(state: list[Chunk], n: int) -> pa.Array | None:
+    """The spans' `waits_on` column (`n` rows, the state rows first): the sparse `waits` of
+    the state chunks as list<int64>, null where a row has none; None when no row has any.
+    The same array as `list_i64_array` of the padded list, with Python only for the rows
+    that have waits (a few per drain), none per row."""
+    pos: list[int] = []
+    vals: list[tuple[int, ...]] = []
+    base = 0
+    for seg, lo, hi in state:
+        if seg.waits:
+            # A copy (one C call): the writer may insert rows beyond `hi` meanwhile.
+            for i, w in sorted(seg.waits.copy().items()):
+                if lo <= i < hi:
+                    pos.append(base + i - lo)
+                    vals.append(w)
+        base += hi - lo
+    if not pos:
+        return None
+    items = list(chain.from_iterable(vals))
+    lens = np.zeros(n, dtype=np.int64)
+    lens[pos] = [len(w) for w in vals]
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    if (any(type(x) is not int for x in items) or offsets[-1] > np.iinfo(np.int32).max
+            or not all(_I64_MIN <= x <= _I64_MAX for x in items)):
+        padded: list[tuple[int, ...] | None] = [None] * n
+        for p, w in zip(pos, vals, strict=True):
+            padded[p] = w
+        return list_i64_array(padded)  # what wait_for does not store: the general path
+    flat = np.array(items, dtype=np.int64)
+    valid = np.zeros(n, dtype=bool)
+    valid[pos] = True
+    child = pa.Array.from_buffers(_I64, len(flat), [None, pa.py_buffer(flat)], null_count=0)
+    bitmap = pa.py_buffer(np.packbits(valid, bitorder="little"))
+    return pa.Array.from_buffers(_LIST_I64, n, [bitmap, pa.py_buffer(offsets.astype(np.int32))],
+                                 null_count=n - len(pos), children=[child])
 
 
 @lru_cache(maxsize=64)

@@ -25,6 +25,7 @@ tier backends record from their worker threads.
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import groupby
 from typing import Any
 
 import torch
@@ -334,16 +335,19 @@ class TierFlow:
         # The admission's rows in one recorder call, in the order `ledger` would record them.
         rows: list[tuple[str, int, int | None, str | None, int, int, int, int, int]] = []
         if n:
-            origin = self._origin
-            tiers = [origin(plan, i) for i in range(hit, hit + n)]
-            start = 0
-            for j in range(1, n + 1):
-                if j == n or tiers[j] != tiers[start]:
-                    k = j - start
-                    tier = tiers[start]
-                    rows.append(("load", rn, t, tier, k * bs, k * pb if tier == "host" else 0,
-                                 hit + start, tid, -1))
-                    start = j
+            # `_origin` of each block, inlined: its runs are the rows.
+            if self.host is None:
+                runs: list[tuple[str, int]] = [("remote", n)]
+            else:
+                lo, hi, st = plan.remote_lo, plan.remote_hi, plan.statuses
+                tiers = ["remote" if lo <= i < hi and st is not None and st[i - lo] is None
+                         else "host" for i in range(hit, hit + n)]
+                runs = [(tier, len(list(g))) for tier, g in groupby(tiers)]
+            start = hit
+            for tier, k in runs:
+                rows.append(("load", rn, t, tier, k * bs, k * pb if tier == "host" else 0,
+                             start, tid, -1))
+                start += k
         failed, reason = self._failure(plan, hit + n)
         if failed:
             first = max(hit + n, plan.promised_dev)
