@@ -278,6 +278,14 @@ def _stage_matrix(x: np.ndarray, srt: np.ndarray) -> pd.DataFrame:
             share = np.nanmean(x * inv, axis=1)
     total = x.sum(axis=1)
     ttft_total = total[_TTFT_ROW]
+    return _stages_frame(names, n, q, total, share, ttft_total)
+
+
+def _stages_frame(names: list[str], n: int, q: np.ndarray, total: np.ndarray, share: Any,
+                  ttft_total: int) -> pd.DataFrame:
+    """The whole run's stage table: per stage (`names`) its quantiles `q` (one row per
+    `QUANTILES`), mean, total, mean share and share of the TTFT total, over `n` requests."""
+    nan = np.full(len(names), np.nan)
     return _table({
         "stage": names,
         "requests": np.full(len(names), n, dtype=np.int64),
@@ -412,15 +420,7 @@ def _stage_table_all(vals: pd.DataFrame, names: list[str]) -> pd.DataFrame:
                           for x in names]) if n else nan
     total = np.array([int(c.sum()) for c in cols], dtype=np.int64)
     ttft_total = total[names.index("ttft")]
-    return _table({
-        "stage": names,
-        "requests": np.full(len(names), n, dtype=np.int64),
-        **{col: q[i] for i, col in enumerate(_QCOLS)},
-        "mean_ns": total / n if n else nan,
-        "total_ns": total,
-        "share_mean": share,
-        "share_of_total": total / ttft_total if ttft_total > 0 else nan,
-    })
+    return _stages_frame(names, n, q, total, share, ttft_total)
 
 
 def _slowest(vals: pd.DataFrame, keys: list[pd.Series], by: tuple[str, ...]) -> pd.DataFrame:

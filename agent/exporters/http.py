@@ -108,13 +108,18 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         else:
             self.send_error(431, "Too many headers")
             return False
+        self._take_headers(headers)
+        return True
+
+    def _take_headers(self, headers: _Headers) -> None:
+        """The request's headers, and whether the connection closes after it (HTTP/1.1 keeps
+        it open unless told to close, HTTP/1.0 closes it unless told to keep it)."""
         self.headers = headers  # type: ignore[assignment]
         conn = (headers.get("connection") or "").lower()
         if self.request_version == "HTTP/1.1":
             self.close_connection = conn == "close"
         else:
             self.close_connection = conn != "keep-alive"
-        return True
 
     def handle_one_request(self) -> None:
         """One request. A GET whose request line and headers are in the read buffer whole
@@ -150,12 +155,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.raw_requestline = lines[0].encode("iso-8859-1") + b"\r\n"
         self.requestline = lines[0]
         self.command, self.path, self.request_version = words
-        self.headers = headers  # type: ignore[assignment]
-        conn = (headers.get("connection") or "").lower()
-        if self.request_version == "HTTP/1.1":
-            self.close_connection = conn == "close"
-        else:
-            self.close_connection = conn != "keep-alive"
+        self._take_headers(headers)
         try:
             self.do_GET()
             self.wfile.flush()

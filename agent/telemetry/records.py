@@ -186,38 +186,13 @@ class OtherRecords:
         try:
             t_now = -1
             names = self._names
-            if _get_ident() == self._owner:
-                seg = self._act.active
-                i = seg.n
-                if i + len(rows) <= seg.cap:
-                    # Packed straight into the active segment past its published rows, then
-                    # published together: a bad value raises before any of them is published.
-                    pack, buf, size = seg.pack, seg.buf, seg.row_bytes
-                    at = i * size
-                    for name, rn, t, tier, tokens, nbytes, block, transfer_id, layer in rows:
-                        if t is None:
-                            if t_now < 0:
-                                t_now = self._clock()
-                            t = t_now
-                        else:
-                            t = _index(t)
-                        code = names.get(name)
-                        if code is None:
-                            code = self.intern(name)
-                        tcode = -1 if tier is None else TIER_CODE[tier]
-                        if not -1 <= block <= I32_MAX:
-                            raise ValueError(f"block out of range: {block}")
-                        if not -1 <= layer <= I32_MAX:
-                            raise ValueError(f"layer out of range: {layer}")
-                        pack(buf, at, rn, code, t, t, tcode, layer, tokens, nbytes, transfer_id,
-                             CLOCK_CPU, KIND_LEDGER, block)
-                        at += size
-                    seg.n = i + len(rows)
-                    ids = self._ids
-                    for row in rows:
-                        if row[1] != -1 and row[1] not in ids:
-                            self._count_unknown()
-                    return
+            seg = self._act.active
+            i = seg.n
+            # On the engine loop with room: packed straight into the active segment past its
+            # published rows, then published together (`_put_rows` without its row list).
+            fast = _get_ident() == self._owner and i + len(rows) <= seg.cap
+            pack, buf, size = seg.pack, seg.buf, seg.row_bytes
+            at = i * size
             packed = []
             # `_ledger_row` inlined (a transfer's or a step's rows, on the engine loop).
             for name, rn, t, tier, tokens, nbytes, block, transfer_id, layer in rows:
@@ -235,8 +210,20 @@ class OtherRecords:
                     raise ValueError(f"block out of range: {block}")
                 if not -1 <= layer <= I32_MAX:
                     raise ValueError(f"layer out of range: {layer}")
-                packed.append((rn, code, t, t, tcode, layer, tokens, nbytes, transfer_id,
-                               CLOCK_CPU, KIND_LEDGER, block))
+                row = (rn, code, t, t, tcode, layer, tokens, nbytes, transfer_id, CLOCK_CPU,
+                       KIND_LEDGER, block)
+                if fast:
+                    pack(buf, at, *row)  # a bad value raises before any row is published
+                    at += size
+                else:
+                    packed.append(row)
+            if fast:
+                seg.n = i + len(rows)
+                ids = self._ids
+                for row in rows:
+                    if row[1] != -1 and row[1] not in ids:
+                        self._count_unknown()
+                return
             self._put_rows(packed)
         except Exception:
             self._error()
