@@ -313,12 +313,19 @@ def _slowest_matrix(x: np.ndarray, srt: np.ndarray, part: pd.DataFrame,
         vals = _values(part.loc[has_ft])
         return _tidy(_slowest_grouped(vals, [pd.Series("all", index=vals.index)], (), names))
     den = tot["ttft"] if tot["ttft"] > 0 else float("nan")
+    return _slowest_frame(names, threshold, count, tot, den)
+
+
+def _slowest_frame(names: list[str], threshold: float, count: int, tot: dict[str, int],
+                   den: float) -> pd.DataFrame:
+    """The whole run's slowest-requests table: the `count` requests at or over the TTFT
+    `threshold`, per stage their mean and their share of those requests' TTFT (`den`)."""
     return _table({
         "stage": names,
         "threshold_ns": np.full(len(names), threshold, dtype=np.float64),
         "requests": np.full(len(names), count, dtype=np.int64),
-        "mean_ns": np.array([tot[x_] / count for x_ in names], dtype=np.float64),
-        "share": np.array([tot[x_] / den for x_ in names], dtype=np.float64),
+        "mean_ns": np.array([tot[x] / count for x in names], dtype=np.float64),
+        "share": np.array([tot[x] / den for x in names], dtype=np.float64),
     })
 
 
@@ -444,13 +451,7 @@ def _slowest_all(vals: pd.DataFrame, names: list[str]) -> pd.DataFrame:
     if max(abs(v) for v in tot.values()) >= 2**53:  # pandas' float sums would round
         return _tidy(_slowest_grouped(vals, [pd.Series("all", index=vals.index)], (), names))
     den = tot["ttft"] if tot["ttft"] > 0 else float("nan")
-    return _table({
-        "stage": names,
-        "threshold_ns": np.full(len(names), threshold, dtype=np.float64),
-        "requests": np.full(len(names), count, dtype=np.int64),
-        "mean_ns": np.array([tot[x] / count for x in names], dtype=np.float64),
-        "share": np.array([tot[x] / den for x in names], dtype=np.float64),
-    })
+    return _slowest_frame(names, threshold, count, tot, den)
 
 
 def _slowest_grouped(vals: pd.DataFrame, keys: list[pd.Series], by: tuple[str, ...],

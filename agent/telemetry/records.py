@@ -185,7 +185,6 @@ class OtherRecords:
         is published)."""
         try:
             t_now = -1
-            names = self._names
             seg = self._act.active
             i = seg.n
             # On the engine loop with room: packed straight into the active segment past its
@@ -194,24 +193,15 @@ class OtherRecords:
             pack, buf, size = seg.pack, seg.buf, seg.row_bytes
             at = i * size
             packed = []
-            # `_ledger_row` inlined (a transfer's or a step's rows, on the engine loop).
-            for name, rn, t, tier, tokens, nbytes, block, transfer_id, layer in rows:
+            ledger_row = self._ledger_row
+            for name, rn, t, *rest in rows:
                 if t is None:
                     if t_now < 0:
                         t_now = self._clock()
                     t = t_now
                 else:
                     t = _index(t)
-                code = names.get(name)
-                if code is None:
-                    code = self.intern(name)
-                tcode = -1 if tier is None else TIER_CODE[tier]
-                if not -1 <= block <= I32_MAX:
-                    raise ValueError(f"block out of range: {block}")
-                if not -1 <= layer <= I32_MAX:
-                    raise ValueError(f"layer out of range: {layer}")
-                row = (rn, code, t, t, tcode, layer, tokens, nbytes, transfer_id, CLOCK_CPU,
-                       KIND_LEDGER, block)
+                row = ledger_row(name, rn, t, *rest)
                 if fast:
                     pack(buf, at, *row)  # a bad value raises before any row is published
                     at += size
