@@ -67,11 +67,17 @@ class SnapshotServer:
         self.renders = 0
         self.render_errors = 0
         self._stop = threading.Event()
+        # One publish at a time: the publisher thread and a caller's `publish` (the final
+        # values before run.json says the run is over) write the same temporary files.
+        self._publishing = threading.Lock()
+        self.write_errors = 0
         shm = Path("/dev/shm")
         self.dir = Path(tempfile.mkdtemp(prefix="kvscope-metrics-",
                                          dir=shm if shm.is_dir() else None))
         try:
             self.publish()
+            if self.write_errors:
+                raise OSError(f"cannot write the /metrics snapshot in {self.dir}")
             self._proc = self._spawn(port, start_timeout_s)
         except BaseException:
             shutil.rmtree(self.dir, ignore_errors=True)
@@ -110,18 +116,28 @@ class SnapshotServer:
         return f"http://{host}:{self.port}/metrics"
 
     def publish(self) -> None:
-        """Render the registry now and make it what scrapes see."""
-        try:
-            text, om = _render(self.registry)
-        except Exception:  # telemetry never fails the engine: keep the last snapshot
-            self.render_errors += 1
-            if self.render_errors == 1:
-                log.warning("kvscope: rendering /metrics failed; serving the last snapshot",
-                            exc_info=True)
-            return
-        _atomic_write(self.dir / "metrics.txt", text)
-        _atomic_write(self.dir / "metrics.om", om)
-        self.renders += 1
+        """Render the registry now and make it what scrapes see. Safe from any thread (one
+        publish runs at a time); a render or write that fails leaves the last snapshot
+        served, counted and logged once: telemetry never fails the engine."""
+        with self._publishing:
+            try:
+                text, om = _render(self.registry)
+            except Exception:
+                self.render_errors += 1
+                if self.render_errors == 1:
+                    log.warning("kvscope: rendering /metrics failed; serving the last "
+                                "snapshot", exc_info=True)
+                return
+            try:
+                _atomic_write(self.dir / "metrics.txt", text)
+                _atomic_write(self.dir / "metrics.om", om)
+            except OSError:
+                self.write_errors += 1
+                if self.write_errors == 1:
+                    log.warning("kvscope: writing the /metrics snapshot to %s failed; "
+                                "serving the last one", self.dir, exc_info=True)
+                return
+            self.renders += 1
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):

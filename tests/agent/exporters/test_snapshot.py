@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 import urllib.request
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter
@@ -167,3 +168,76 @@ def test_request_parsing_keeps_http_server_semantics() -> None:
             b"HTTP/1.1 501")
     finally:
         srv.stop()
+
+
+def test_publish_from_two_threads_writes_one_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The publisher thread and the run's final `publish` write the same temporary files:
+    they must not interleave (two writers of one `.metrics.txt.tmp` made the second rename
+    fail, which ended `kvscope run`)."""
+    import agent.exporters.snapshot as snap
+
+    reg = CollectorRegistry()
+    Counter("kvscope_demo", "A counter.", registry=reg)
+    srv = SnapshotServer(reg, interval_s=0.05)
+    inside: list[int] = []
+    overlaps: list[int] = []
+    real = snap._atomic_write
+
+    def slow_write(path: Any, data: bytes) -> None:
+        if inside:
+            overlaps.append(1)
+        inside.append(1)
+        try:
+            time.sleep(0.002)  # widen the window a second writer would enter
+            real(path, data)
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(snap, "_atomic_write", slow_write)
+    try:
+        errors: list[BaseException] = []
+
+        def hammer() -> None:
+            try:
+                for _ in range(40):
+                    srv.publish()
+            except BaseException as e:  # reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=hammer) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors and not overlaps and srv.write_errors == 0
+        assert (srv.dir / "metrics.txt").read_bytes().startswith(b"# HELP kvscope_demo")
+    finally:
+        srv.shutdown()
+
+
+def test_a_failed_snapshot_write_keeps_serving_the_last_one(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A write that fails (the snapshot directory gone, a full /dev/shm) is counted and
+    logged once; `publish` does not raise, and scrapes get the last snapshot."""
+    import agent.exporters.snapshot as snap
+
+    reg = CollectorRegistry()
+    c = Counter("kvscope_demo", "A counter.", registry=reg)
+    srv = SnapshotServer(reg, interval_s=60)
+    try:
+        before, _ = _get(srv.url)
+
+        def full(path: Any, data: bytes) -> None:
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(snap, "_atomic_write", full)
+        c.inc(5)
+        renders = srv.renders
+        srv.publish()
+        srv.publish()
+        assert srv.write_errors == 2 and srv.renders == renders
+        assert sum("writing the /metrics snapshot" in r.message for r in caplog.records) == 1
+        assert _get(srv.url)[0] == before  # the last snapshot, still served
+    finally:
+        monkeypatch.undo()
+        srv.shutdown()
