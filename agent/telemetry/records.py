@@ -255,32 +255,6 @@ class OtherRecords:
             code = self._names.get("lookup")
             if code is None:
                 code = self.intern("lookup")
-            if _get_ident() == self._owner:
-                seg = self._act.active
-                i = seg.n
-                k = 2 * len(probes)
-                if i + k <= seg.cap:
-                    # Checked, then packed straight into the active segment past its
-                    # published rows and published together.
-                    checked = []
-                    for tier, t0, t1, first, blocks in probes:
-                        tcode = TIER_CODE[tier]
-                        if not -1 <= first <= I32_MAX:
-                            raise ValueError(f"block out of range: {first}")
-                        checked.append((tcode, t0, t1, first, blocks * block_size))
-                    if rn != -1 and rn not in self._ids:  # counted before the stores
-                        for _ in range(k):
-                            self._count_unknown()
-                    pack, buf, size = seg.pack, seg.buf, seg.row_bytes
-                    at = i * size
-                    for tcode, t0, t1, first, tokens in checked:
-                        pack(buf, at, rn, code, t0, t1, tcode, -1, tokens, -1, -1, CLOCK_CPU,
-                             KIND_ACTIVITY, -1)
-                        pack(buf, at + size, rn, code, t1, t1, tcode, -1, tokens, -1, -1,
-                             CLOCK_CPU, KIND_LEDGER, first)
-                        at += 2 * size
-                    seg.n = i + k
-                    return
             rows = []
             for tier, t0, t1, first, blocks in probes:
                 tcode = TIER_CODE[tier]
