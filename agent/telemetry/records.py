@@ -415,18 +415,8 @@ class OtherRecords:
                 self._pub = status
         except Exception:
             self._error()
-        if evicted:
-            # `event`'s row, without its call and checks (the name, source and detail are
-            # ours; `t4` as `event` takes it).
-            try:
-                row = (_index(t4), "engine", "eviction", None,
-                       {"tier": "device", "blocks": evicted})
-                if len(self._events) >= self._max_rows:
-                    self._drop("events")
-                else:
-                    self._events.append(row)
-            except Exception:
-                self._error()
+        if evicted:  # whatever happened to the step's rows
+            self.event("eviction", t=t4, detail={"tier": "device", "blocks": evicted})
 
     def _engine_step_foreign(self, step_id: int, t0: int, t1: int, t2: int, t3: int, t4: int,
                              forward: tuple[int, int] | None, batch_requests: int, tokens: int,
