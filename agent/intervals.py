@@ -81,8 +81,8 @@ def clip_to_window(
     Returns:
         (start, end) with ``lo <= start <= end <= hi`` per interval.
     """
-    g_lo = lo[group]
-    g_hi = hi[group]
+    g_lo = lo.take(group)
+    g_hi = hi.take(group)
     s = np.clip(start, g_lo, g_hi)
     e = np.clip(end, g_lo, g_hi)
     return s, np.maximum(e, s)
@@ -131,13 +131,13 @@ def nested_union_lengths(
         return out
     offset = np.zeros(n_groups, dtype=np.int64)
     np.cumsum(width[:-1] + 1, out=offset[1:])
-    shift = offset[group] - origin[group]
+    shift = offset.take(group) - origin.take(group)
     key = start + shift
     order = np.argsort(key, kind="stable")
-    key = key[order]
-    stop = (end + shift)[order]
-    grp = group[order]
-    lev = level[order]
+    key = key.take(order)
+    stop = (end + shift).take(order)
+    grp = group.take(order)
+    lev = level.take(order)
     for k in range(n_levels):
         sel = lev <= k
         if sel.all():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cache
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -20,7 +21,7 @@ import numpy as np
 from agent.schema import ACCOUNTING_COLUMNS, LOAD_FAIL_REASONS, TOKEN_SOURCES
 from analyzers import frames as F
 from analyzers.ratios import Ratio
-from analyzers.ttft_summary import build_frame
+from analyzers.ttft_summary import build_frame, column_array, int_column, valid_column
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -112,19 +113,19 @@ def token_accounting(requests: pd.DataFrame, by: str | Sequence[str] | None = No
         a `TokenAccounting`.
     """
     F.require_columns(requests, ("request_id", "first_token_ns"), "requests")
-    served = _served(requests)
-    given = {c: requests[c] for c in ACCOUNTING_COLUMNS if c in requests}  # each looked up once
+    served = valid_column(requests, "first_token_ns")
+    # Each column's array looked up once (`column_array`: no Series built).
+    given = {c: column_array(requests, c) for c in ACCOUNTING_COLUMNS if c in requests}
     # `_matrix` as one int64 matrix, a row per accounting column (absent ones 0): one mask,
     # one sum and one sign test for all of them.
-    mat = np.zeros((len(ACCOUNTING_COLUMNS), len(requests)), dtype=np.int64)
+    mat = np.empty((len(ACCOUNTING_COLUMNS), len(requests)), dtype=np.int64)  # every row set
     for i, c in enumerate(ACCOUNTING_COLUMNS):
-        if c in given:
-            mat[i] = F.ints(given[c], 0)
+        mat[i] = int_column(requests, c, 0) if c in given else 0
     full = dict(zip(ACCOUNTING_COLUMNS, mat, strict=True))
     smat = mat if served.all() else mat[:, served]
     cols = dict(zip(ACCOUNTING_COLUMNS, smat, strict=True))
     tot = dict(zip(ACCOUNTING_COLUMNS, smat.sum(axis=1).tolist(), strict=True))
-    unknown = _unknown_columns(given, served)
+    unknown = _unknown_columns(requests, given, served)
     n = int(served.sum())
     reused = cols["device_hit_tokens"] + cols["host_loaded_tokens"] + cols["remote_loaded_tokens"]
     lookup = tot["lookup_tokens"]
@@ -253,21 +254,23 @@ _RATIO_INPUTS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _unknown_columns(given: dict[str, pd.Series], served: np.ndarray) -> set[str]:
-    """Accounting columns the input does not carry (`given`: those it has, by name): absent,
-    or null for every served request."""
+def _unknown_columns(requests: pd.DataFrame, given: dict[str, Any], served: np.ndarray
+                     ) -> set[str]:
+    """Accounting columns the input does not carry (`given`: the arrays of those it has, by
+    name): absent, or null for every served request."""
     out = set()
     some = bool(served.any())
     for c in ACCOUNTING_COLUMNS:
         col = given.get(c)
-        if col is None or (some and not _null_free(col) and not F.valid(col)[served].any()):
+        if col is None or (some and not _null_free(col)
+                           and not valid_column(requests, c)[served].any()):
             out.add(c)
     return out
 
 
-def _null_free(col: pd.Series) -> bool:
-    """A numpy integer or boolean column: it cannot hold a null."""
-    return isinstance(col.dtype, np.dtype) and col.dtype.kind in "iub"
+def _null_free(col: Any) -> bool:
+    """A numpy integer or boolean column (its array): it cannot hold a null."""
+    return isinstance(col, np.ndarray) and col.dtype.kind in "iub"
 
 
 def _tiers(cols: dict[str, np.ndarray], tot: dict[str, int]) -> pd.DataFrame:
@@ -369,11 +372,17 @@ def _identity(requests: pd.DataFrame, cols: dict[str, np.ndarray], served: np.nd
             frames.append(pd.DataFrame({"request_id": ids, "check": name,
                                         "expected": expected[bad], "actual": actual[bad]}))
     if not frames:
-        return build_frame({"request_id": np.array([], dtype=object),
-                            "check": np.array([], dtype=object),
-                            "expected": np.array([], dtype=np.int64),
-                            "actual": np.array([], dtype=np.int64)}, 0)
+        return _no_violations().copy()  # a deep copy: each result its own frame
     return pd.concat(frames, ignore_index=True)
+
+
+@cache
+def _no_violations() -> pd.DataFrame:
+    """The empty identity-violation frame (built once; `_identity` hands out copies)."""
+    return build_frame({"request_id": np.array([], dtype=object),
+                        "check": np.array([], dtype=object),
+                        "expected": np.array([], dtype=np.int64),
+                        "actual": np.array([], dtype=np.int64)}, 0)
 
 
 def layer_groups_of(meta: dict[str, Any]) -> list[dict[str, Any]]:

@@ -162,7 +162,7 @@ def summarize(
             raise InputError(f"--by {c}: expected one of {', '.join(GROUPABLE)}")
     if window_ns is not None and window_ns <= 0:
         raise InputError(f"window_ns: must be > 0, got {window_ns}")
-    has_ft = F.valid(part["ttft_ns"])
+    has_ft = valid_column(part, "ttft_ns")
     if not by_t:
         return _summarize_all(part, has_ft, window_ns, origin_ns)
     served = part.loc[has_ft]
@@ -228,9 +228,9 @@ def _summarize_all(part: pd.DataFrame, has_ft: np.ndarray, window_ns: int | None
     m = len(has_ft) if every else int(has_ft.sum())
     x = np.empty((len(_NAMES), m), dtype=np.int64)
     for i, c in enumerate(_VALUE_COLUMNS):
-        v = F.ints(part[c], 0)
+        v = int_column(part, c, 0)
         x[i] = v if every else v[has_ft]
-    arrival = F.ints(part["arrival_ns"])
+    arrival = int_column(part, "arrival_ns")
     if not every:
         arrival = arrival[has_ft]
     srt = np.sort(x, axis=1) if m else x
@@ -242,17 +242,16 @@ def _summarize_all(part: pd.DataFrame, has_ft: np.ndarray, window_ns: int | None
                else pd.DataFrame(columns=_window_columns()))
     if windows is None:  # too many windows for the numpy path
         windows = _windows(_values(part.loc[has_ft]), arrival, w, origin)
-    derived = part["derived"]
-    if derived.dtype == np.bool_:
-        n_derived = int(np.count_nonzero(derived.to_numpy() if every
-                                         else derived.to_numpy()[has_ft]))
+    derived = column_array(part, "derived")
+    if isinstance(derived, np.ndarray) and derived.dtype == np.bool_:
+        n_derived = int(np.count_nonzero(derived if every else derived[has_ft]))
     else:
         n_derived = int(part.loc[has_ft, "derived"].sum())
     return TTFTSummary(
         requests=m,
         without_first_token=len(has_ft) - m,
         derived=n_derived,
-        violations=int(F.valid(part["violation"]).sum()),
+        violations=int(valid_column(part, "violation").sum()),
         by=(),
         stages=stages,
         slowest=slowest,
@@ -341,6 +340,65 @@ def _column_index(names: tuple[str, ...]) -> pd.Index:
     """The columns index ``pd.DataFrame`` makes of these names, made once; handed out as
     views (a name set on one frame's columns stays there)."""
     return pd.DataFrame({c: [] for c in names}).columns
+
+
+def column_array(df: pd.DataFrame, name: str) -> Any:
+    """The array a column of `df` holds (a numpy array or a pandas extension array), without
+    the Series ``df[name]`` builds (tens of µs a column; this is about two): for reading only,
+    never write into it. Falls back to ``df[name]`` where the frame's private accessor is
+    missing or the name is not one column."""
+    try:
+        i = df.columns.get_loc(name)
+        if isinstance(i, int):
+            return df._get_column_array(i)
+    except (AttributeError, TypeError):
+        pass
+    col = df[name]
+    return col.to_numpy() if isinstance(col.dtype, np.dtype) else col.array
+
+
+def _is_int64_masked(a: Any) -> bool:
+    """A pandas ``Int64`` array (values in ``_data``, nulls in ``_mask``)."""
+    return (type(a) is _integer_array() and a._data.dtype == np.int64
+            and a._mask.dtype == np.bool_ and a._data.shape == a._mask.shape)
+
+
+@cache
+def _integer_array() -> type:
+    """pandas' IntegerArray type (looked up once: pandas is imported on a thread)."""
+    return pd.arrays.IntegerArray
+
+
+def int_column(df: pd.DataFrame, name: str, fill: int = -1) -> np.ndarray:
+    """``analyzers.frames.ints(df[name], fill)`` (int64, nulls as `fill`) read through
+    `column_array`: for reading only (it may be the frame's own buffer). Other dtypes than
+    numpy int64 and ``Int64`` go through `F.ints` itself."""
+    a = column_array(df, name)
+    if isinstance(a, np.ndarray) and a.dtype == np.int64:
+        return a if a.dtype is _INT64 else a.view(_INT64)
+    if _is_int64_masked(a):
+        data = a._data
+        if a._mask.any():
+            data = data.copy()
+            data[a._mask] = fill
+        return data if data.dtype is _INT64 else data.view(_INT64)
+    return F.ints(df[name], fill)
+
+
+def valid_column(df: pd.DataFrame, name: str) -> np.ndarray:
+    """``analyzers.frames.valid(df[name])`` (the non-null rows) read through `column_array`;
+    a fresh array."""
+    a = column_array(df, name)
+    if isinstance(a, np.ndarray) and a.dtype.kind in "iub":
+        return np.ones(len(a), dtype=bool)
+    if _is_int64_masked(a):
+        return ~a._mask
+    if not isinstance(a, np.ndarray):
+        return ~np.asarray(a.isna(), dtype=bool)
+    return F.valid(df[name])
+
+
+_INT64 = np.dtype(np.int64)
 
 
 def build_frame(data: Mapping[str, Any], n: int) -> pd.DataFrame:
@@ -538,13 +596,18 @@ def _windows_matrix(y: np.ndarray, arrival: np.ndarray, window_ns: int, origin_n
     start = origin_ns + ((arrival - origin_ns) // window_ns) * window_ns
     in_order = bool((start[1:] >= start[:-1]).all())
     if in_order:  # arrivals in order (a run's are): runs of equal starts, no sort
-        first = np.flatnonzero(np.r_[True, start[1:] != start[:-1]])
-        starts, counts = start[first], np.diff(np.r_[first, len(start)])
+        change = np.empty(len(start), dtype=bool)
+        change[0] = True
+        np.not_equal(start[1:], start[:-1], out=change[1:])
+        first = np.flatnonzero(change)
+        starts = start.take(first)
+        counts = np.diff(first, append=len(start))
     else:
         starts, counts = np.unique(start, return_counts=True)
     if len(starts) > _NUMPY_WINDOWS:
         return None
-    bounds = np.r_[0, np.cumsum(counts)]
+    bounds = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=bounds[1:])
     data: dict[str, Any] = {"window_start_ns": starts.astype(np.int64),
                             "window_start_s": (starts - origin_ns) / 1e9,
                             "requests": counts.astype(np.int64)}
