@@ -197,15 +197,25 @@ def check_consistency(requests: pd.DataFrame, spans: pd.DataFrame, *, block_size
     n = len(requests)
     want = _recompute(requests, spans, is_ledger, bs, kv_bytes_per_block)
     served = F.valid(requests["first_token_ns"])
-    recorded = np.column_stack([F.ints(requests[c], 0) for c in columns])
-    expect = np.column_stack([want[c] for c in columns])
-    bad = recorded != expect
-    if "recomputed_tokens" in columns:  # the identity only holds with a first token
-        bad[~served, columns.index("recomputed_tokens")] = False
-    rows_i, cols_i = np.nonzero(bad)  # request by request, columns in their order
-    ids = requests["request_id"].to_numpy(object)
-    rows = [(ids[i], columns[j], int(recorded[i, j]), int(expect[i, j]))
-            for i, j in zip(rows_i.tolist(), cols_i.tolist(), strict=True)]
+    # Column by column (no request x column matrix is built), the mismatches then ordered
+    # request by request, columns in their order.
+    found: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+    for j, c in enumerate(columns):
+        recorded, expect = F.ints(requests[c], 0), want[c]
+        bad = recorded != expect
+        if c == "recomputed_tokens":  # the identity only holds with a first token
+            bad &= served
+        at = np.flatnonzero(bad)
+        if len(at):
+            found.append((at, np.full(len(at), j), recorded[at], expect[at]))
+    rows: list[tuple[str, str, int, int]] = []
+    if found:
+        rows_i, cols_i, rec, exp = (np.concatenate(x) for x in zip(*found, strict=True))
+        order = np.lexsort((cols_i, rows_i))
+        ids = requests["request_id"].to_numpy(object)
+        rows = [(ids[i], columns[j], int(r), int(e)) for i, j, r, e in zip(
+            rows_i[order].tolist(), cols_i[order].tolist(), rec[order].tolist(),
+            exp[order].tolist(), strict=True)]
     return Consistency(True, requests=n, columns=tuple(columns),
                        mismatches=_mismatch_frame(rows), reason=reason)
 

@@ -28,12 +28,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from analyzers import frames as F
+from analyzers.report_read import COMPUTE_PHASES, StepSamples
 
 __all__ = ["COMPUTE_PHASES", "StepCost", "fit_step_cost"]
 
-#: The step phases whose time scales with the scheduled tokens (`schedule` is admission
-#: work: lookups, copies, allocation).
-COMPUTE_PHASES: tuple[str, ...] = ("prepare", "forward", "sample")
+# COMPUTE_PHASES, the step phases whose time scales with the scheduled tokens (`schedule`
+# is admission work: lookups, copies, allocation), is defined beside `StepSamples`.
 #: Pairs used per Theil–Sen fit (all pairs when fewer): bounds the cost on long runs.
 _MAX_PAIRS = 60_000
 _N_BOOT = 300
@@ -110,7 +110,8 @@ def _unfitted(reason: str, steps: int = 0) -> StepCost:
     return StepCost(nan, nan, (nan, nan), (nan, nan), steps, (0, 0), reason=reason)
 
 
-def step_samples(spans: pd.DataFrame | pa.Table) -> tuple[np.ndarray, np.ndarray]:
+def step_samples(spans: pd.DataFrame | pa.Table | StepSamples
+                 ) -> tuple[np.ndarray, np.ndarray]:
     """Per engine step that computed prompt tokens: (scheduled tokens, compute time in ns),
     from the step spans, in step id order.
 
@@ -120,8 +121,11 @@ def step_samples(spans: pd.DataFrame | pa.Table) -> tuple[np.ndarray, np.ndarray
 
     Args:
         spans: the ``spans`` frame, or the run store's Arrow table of them (or of the step
-            spans alone): only the ``step`` rows of `COMPUTE_PHASES` are read.
+            spans alone): only the ``step`` rows of `COMPUTE_PHASES` are read; or the
+            `StepSamples` made of them as they were read (its arrays).
     """
+    if isinstance(spans, StepSamples):
+        return spans.tokens, spans.ns
     cols = _step_rows(spans)
     if cols is None:
         return np.zeros(0, np.int64), np.zeros(0, np.float64)
@@ -295,13 +299,14 @@ def _theil_sen(x: np.ndarray, y: np.ndarray, rng: np.random.Generator,
     return slope, _median(resid if idx is None else resid.take(idx))
 
 
-def fit_step_cost(spans: pd.DataFrame | pa.Table, *, seed: int = 0,
+def fit_step_cost(spans: pd.DataFrame | pa.Table | StepSamples, *, seed: int = 0,
                   n_boot: int = _N_BOOT,
                   estimates: Callable[[StepCost], object] | None = None) -> StepCost:
     """Fit the run's step cost model on its step spans.
 
     Args:
-        spans: the run store's ``spans`` frame or Arrow table (`step_samples`).
+        spans: the run store's ``spans`` frame or Arrow table, or its `StepSamples`
+            (`step_samples`).
         seed: the bootstrap's seed (the fit is deterministic for a given run and seed).
         n_boot: bootstrap resamples; 0 for the estimates alone (intervals NaN): the same
             estimates, bit for bit, as they are drawn before the resamples.

@@ -42,6 +42,7 @@ from analyzers.report_read import (  # noqa: F401  (re-exported: what kvscope an
     REPORT_SPAN_COLUMNS,
     STEP_SPAN_COLUMNS,
     STEP_SPANS_APART,
+    StepSamples,
     read_report_store,
 )
 from analyzers.timebase import run_origin_ns
@@ -103,7 +104,8 @@ class Report:
 
 
 def build_report(store: Any, *, diagnose: bool = True, by: str | None = None,
-                 window_ns: int | None = None, steps: pa.Table | None = None) -> Report:
+                 window_ns: int | None = None, steps: pa.Table | StepSamples | None = None
+                 ) -> Report:
     """Run the analyzers (and, unless `diagnose` is False, the diagnoses) over a run.
 
     Args:
@@ -115,8 +117,9 @@ def build_report(store: Any, *, diagnose: bool = True, by: str | None = None,
         steps: the run's step spans as an Arrow table (`STEP_SPAN_COLUMNS`, string columns
             plain or dictionary-encoded; e.g. ``store.apart["spans"]`` of
             `read_report_store`, as `kvscope analyze` reads a run, or from
-            ``agent.runstore.reader.read_table``) when `store` was read without them
-            (``filters={"spans": REPORT_SPAN_FILTER}``).
+            ``agent.runstore.reader.read_table``), or their `StepSamples`
+            (``read_report_store(path, samples=True).apart["spans"]``), when `store` was read
+            without them (``filters={"spans": REPORT_SPAN_FILTER}``).
 
     Returns:
         a `Report`.
@@ -195,7 +198,8 @@ def build_report(store: Any, *, diagnose: bool = True, by: str | None = None,
     )
 
 
-def _fit(steps: pd.DataFrame | pa.Table, estimated: Future[StepCost]) -> StepCost:
+def _fit(steps: pd.DataFrame | pa.Table | StepSamples, estimated: Future[StepCost]
+         ) -> StepCost:
     """`fit_step_cost` of `steps`, its estimates set into `estimated` as soon as they are
     known (the whole model when the fit stops before them; its error when it raises
     first)."""
@@ -233,8 +237,8 @@ class _PendingCost:
         return getattr(source.result(), name)
 
 
-def _spans_and_steps(store: Any, steps: pa.Table | None
-                     ) -> tuple[pd.DataFrame, pd.DataFrame | pa.Table, int | None]:
+def _spans_and_steps(store: Any, steps: pa.Table | StepSamples | None
+                     ) -> tuple[pd.DataFrame, pd.DataFrame | pa.Table | StepSamples, int | None]:
     """The spans the report reads as a frame, what the step cost model reads, and the run's
     latest span end (None: the diagnoses take it from the frame).
 
@@ -245,7 +249,9 @@ def _spans_and_steps(store: Any, steps: pa.Table | None
     their spans frame whole."""
     if steps is not None:
         spans = store.spans
-        ends = [int(x) for x in (pc.max(steps["end_ns"]).as_py() if steps.num_rows else None,
+        step_end = (steps.end_ns if isinstance(steps, StepSamples)
+                    else pc.max(steps["end_ns"]).as_py() if steps.num_rows else None)
+        ends = [int(x) for x in (step_end,
                                  F.ints(spans["end_ns"], -1).max() if len(spans) else None)
                 if x is not None]
         return spans, steps, max(ends) if ends else None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,7 +34,8 @@ class RunStore:
         parts: table name → part sequence numbers read.
         missing: the tables read whose rows run.json records but whose parts are all gone
             (each also has a note in `gaps`); `open_run` refuses those the caller requires.
-        apart: table name → the rows `open_run(apart=...)` read apart from it (Arrow).
+        apart: table name → the rows `open_run(apart=...)` read apart from it (Arrow), or
+            what `open_run(reduce_apart=...)` kept of them.
     """
 
     path: Path
@@ -43,7 +44,7 @@ class RunStore:
     gaps: list[str] = field(default_factory=list)
     parts: dict[str, list[int]] = field(default_factory=dict)
     missing: list[str] = field(default_factory=list)
-    apart: dict[str, pa.Table] = field(default_factory=dict)
+    apart: dict[str, Any] = field(default_factory=dict)
     _frames: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def frame(self, name: str) -> pd.DataFrame:
@@ -660,6 +661,9 @@ def _dictionary_mask(col: pa.ChunkedArray, values: frozenset[str], *, negate: bo
     return np.concatenate(out) if out else np.zeros(0, dtype=bool)
 
 
+#: ``reduce(part, rows)`` for `read_table_split`: what to keep of the rows read apart from one
+#: part (`rows`, a numpy bool mask over `part`, an Arrow table), instead of those rows.
+ApartReducer = Callable[[pa.Table, Any], Any]
 #: Parts of at least this many rows are decoded with Arrow's thread pool (one column per
 #: thread); smaller ones on the calling thread, where the hand-off would cost more.
 THREADED_PART_ROWS = 65_536
@@ -678,7 +682,14 @@ def _projection(names: Sequence[str], have: set[str], name: str, version: int) -
 
 def _equal_masks(col: pa.ChunkedArray, value: str) -> tuple[pa.Array, pa.Array]:
     """(rows equal to `value`, rows not equal to it) of a string column, null rows in
-    neither: the rows ``pc.field(c) == value`` and ``pc.field(c) != value`` keep. A
+    neither (Arrow booleans: `_equal_masks_np`'s masks)."""
+    is_value, not_value = _equal_masks_np(col, value)
+    return _bool_array(is_value), _bool_array(not_value)
+
+
+def _equal_masks_np(col: pa.ChunkedArray, value: str) -> tuple[Any, Any]:
+    """(rows equal to `value`, rows not equal to it) of a string column as numpy masks, null
+    rows in neither: the rows ``pc.field(c) == value`` and ``pc.field(c) != value`` keep. A
     dictionary-encoded chunk is compared on its dictionary, its rows picked by their codes.
 
     Built with numpy and Arrow buffers only: converting Python values to Arrow (`pa.array`,
@@ -705,7 +716,7 @@ def _equal_masks(col: pa.ChunkedArray, value: str) -> tuple[pa.Array, pa.Array]:
         valid.append(ok)
     is_value = np.concatenate(eq) if eq else np.zeros(0, dtype=bool)
     ok_all = np.concatenate(valid) if valid else np.zeros(0, dtype=bool)
-    return _bool_array(is_value), _bool_array(ok_all & ~is_value)
+    return is_value, ok_all & ~is_value
 
 
 def _pick(hit: Any, codes: Any) -> Any:
@@ -726,11 +737,20 @@ def _bool_array(mask: Any) -> pa.Array:
 
 
 def _read_split_part(p: Path, name: str, schema: pa.Schema, apart: pa.Schema, version: int,
-                     column: str, value: str) -> tuple[pa.Table, pa.Table] | None:
+                     column: str, value: str, reduce: ApartReducer | None = None
+                     ) -> tuple[pa.Table, Any] | None:
     """One part read once, its column chunks decoded once (strings dictionary-encoded, as
     Parquet stores them), and split: (rows whose `column` is not `value`, projected to
     `schema`'s columns; rows where it is, projected to `apart`'s), each still to be upgraded
-    and conformed. None when the part lacks `column` (the caller reads it as before)."""
+    and conformed. None when the part lacks `column` (the caller reads it as before).
+
+    With `reduce`: the second item is ``reduce(part, rows)`` instead, `part` the whole part in
+    `apart`'s columns (already in their conformed types, strings dictionary-encoded) and
+    `rows` the numpy mask of the rows where `column` is `value`: those rows are never
+    gathered into a table of their own. The checks `_conform` makes of them (the columns
+    present, their types, no nulls where the schema has none) are made here, raising the
+    same errors; a part in other types is split and conformed as without `reduce`, and the
+    conformed rows handed to it (their mask all True)."""
     with pq.ParquetFile(p) as f:
         have = set(f.schema_arrow.names)
         if column not in have:
@@ -744,14 +764,32 @@ def _read_split_part(p: Path, name: str, schema: pa.Schema, apart: pa.Schema, ve
         with pq.ParquetFile(p, metadata=f.metadata, read_dictionary=strings) as g:
             t = g.read(columns=want,
                        use_threads=f.metadata.num_rows >= THREADED_PART_ROWS)
-    is_value, not_value = _equal_masks(t[column], value)
-    return t.select(keep).filter(not_value), t.select(rest).filter(is_value)
+    is_value, not_value = _equal_masks_np(t[column], value)
+    kept = t.select(keep).filter(_bool_array(not_value))
+    if reduce is None:
+        return kept, t.select(rest).filter(_bool_array(is_value))
+    coded = _dictionary_schema(apart)
+    if version < 2 or rest != list(coded.names) or any(
+            t.schema.field(f.name).type != f.type for f in coded):
+        return kept, (t.select(rest).filter(_bool_array(is_value)), None)
+    return kept, (t.select(rest), is_value)
+
+
+def _null_rows(col: pa.ChunkedArray, rows: Any) -> int:
+    """Null entries of `col` among the rows of the numpy mask `rows`."""
+    import numpy as np
+
+    if not col.null_count:
+        return 0
+    valid = np.concatenate([ch.is_valid().to_numpy(zero_copy_only=False)
+                            for ch in col.chunks]) if col.num_chunks else np.zeros(0, bool)
+    return int(np.count_nonzero(rows & ~valid))
 
 
 def read_table_split(path: Path, name: str, gaps: list[str], version: int = SCHEMA_VERSION,
                      meta: dict[str, Any] | None = None, *, columns: Sequence[str] | None,
-                     column: str, value: str, apart_columns: Sequence[str]
-                     ) -> tuple[pa.Table, pa.Table, list[int]]:
+                     column: str, value: str, apart_columns: Sequence[str],
+                     reduce: ApartReducer | None = None) -> tuple[pa.Table, Any, list[int]]:
     """Table `name` read once and split by the string `column`.
 
     Returns ``(table, apart, seqs)``: `table` is what ``read_table(..., columns=columns,
@@ -761,6 +799,11 @@ def read_table_split(path: Path, name: str, gaps: list[str], version: int = SCHE
     values), e.g. a run's spans without their step rows, and the step rows apart. Rows whose
     `column` is null are in neither. Each part's columns are decoded once for both (a part
     without `column` is read twice, as those two reads would), gaps are noted once.
+
+    With `reduce` (an `ApartReducer`), `apart` is instead the list of what it returned for
+    each part, in part order: ``reduce(part, rows)``, `rows` the numpy mask of the part's
+    rows that `apart` would hold (checked as they would be), `part` its `apart_columns` in
+    the types `apart` would have them. Those rows are then never gathered into a table.
     """
     schema = _projected_schema(name, columns)
     apart_schema = _projected_schema(name, apart_columns)
@@ -769,22 +812,41 @@ def read_table_split(path: Path, name: str, gaps: list[str], version: int = SCHE
         raise ValueError(f"{name}: {column!r} is not one of its string columns")
     d = path / name
     if not d.is_dir():
-        return _empty(schema), _empty(_dictionary_schema(apart_schema)), []
+        return _empty(schema), [] if reduce is not None else _empty(
+            _dictionary_schema(apart_schema)), []
     parts = _parts(d, name, gaps)
 
-    def one(p: Path) -> tuple[pa.Table, pa.Table]:
+    def one(p: Path) -> tuple[pa.Table, Any]:
         try:
-            got = _read_split_part(p, name, schema, apart_schema, version, column, value)
+            got = _read_split_part(p, name, schema, apart_schema, version, column, value,
+                                   reduce)
             if got is None:
                 import pyarrow.compute as pc
 
                 got = (_read_part(p, name, schema, version, pc.field(column) != value),
                        _read_part(p, name, apart_schema, version, pc.field(column) == value))
+                if reduce is not None:
+                    got = (got[0], (got[1], None))
         except (pa.ArrowException, OSError) as exc:
             raise InputError(f"{p}: unreadable Parquet part ({exc})") from None
-        return (_conform(upgrade(got[0], name, version, meta), schema, p),
-                _conform(upgrade(got[1], name, version, meta), apart_schema, p,
-                         dictionary_strings=True))
+        kept = _conform(upgrade(got[0], name, version, meta), schema, p)
+        if reduce is None:
+            return kept, _conform(upgrade(got[1], name, version, meta), apart_schema, p,
+                                  dictionary_strings=True)
+        part, rows = got[1]
+        if rows is None:  # split as without `reduce`: its rows conformed, all of them kept
+            import numpy as np
+
+            part = _conform(upgrade(part, name, version, meta), apart_schema, p,
+                            dictionary_strings=True)
+            rows = np.ones(part.num_rows, dtype=bool)
+        else:  # in the conformed types already: `_conform`'s null checks, on those rows
+            for f in apart_schema:
+                if not f.nullable:
+                    nulls = _null_rows(part[f.name], rows)
+                    if nulls:
+                        raise InputError(f"{p}: column {f.name!r} has {nulls} null value(s)")
+        return kept, reduce(part, rows)
 
     paths = [p for _, p in parts]
     if len(paths) > 1:
@@ -798,6 +860,9 @@ def read_table_split(path: Path, name: str, gaps: list[str], version: int = SCHE
     else:
         read = [one(p) for p in paths]
     seqs = [s for s, _ in parts]
+    if reduce is not None:
+        return (pa.concat_tables([t for t, _ in read]) if read else _empty(schema),
+                [a for _, a in read], seqs)
     if not read:
         return _empty(schema), _empty(_dictionary_schema(apart_schema)), seqs
     return (pa.concat_tables([t for t, _ in read]), pa.concat_tables([a for _, a in read]),
@@ -841,7 +906,8 @@ def open_run(path: str | os.PathLike[str], tables: tuple[str, ...] | None = None
              require: tuple[str, ...] | None = None,
              columns: Mapping[str, Sequence[str]] | None = None,
              filters: Mapping[str, Any] | None = None,
-             apart: Mapping[str, tuple[str, str, Sequence[str]]] | None = None) -> RunStore:
+             apart: Mapping[str, tuple[str, str, Sequence[str]]] | None = None,
+             reduce_apart: Mapping[str, ApartReducer] | None = None) -> RunStore:
     """Read a run directory: the one validation of run.json (`validate_meta`) and of the
     tables (schemas, gaps, missing tables) that every command reading a run shares. Raises
     `InputError` naming the file at fault.
@@ -869,6 +935,9 @@ def open_run(path: str | os.PathLike[str], tables: tuple[str, ...] | None = None
             ``filters={table: pc.field(column) != value}`` would give them; each part is
             decoded once for both (`read_table_split`). E.g. a run's step spans, which only
             the step cost model reads, in its few columns. Not with a filter on that table.
+        reduce_apart: table (of `apart`) → an `ApartReducer`: ``RunStore.apart[table]`` is
+            then the list of what it returned for each part (`read_table_split`), e.g. the
+            step cost model's partial sums, instead of the rows.
     """
     if tables is not None:
         unknown = [t for t in tables if t not in TABLES]
@@ -880,6 +949,9 @@ def open_run(path: str | os.PathLike[str], tables: tuple[str, ...] | None = None
         if unknown:
             raise ValueError(f"{what}: unknown run-store table(s) {unknown}; expected some of "
                              f"{list(TABLES)}")
+    alone = sorted(set(reduce_apart or {}) - set(apart or {}))
+    if alone:
+        raise ValueError(f"reduce_apart: table(s) {alone} not read apart")
     both = sorted(set(filters or {}) & set(apart or {}))
     if both:
         raise ValueError(f"apart: table(s) {both} also given a filter")
@@ -901,7 +973,8 @@ def open_run(path: str | os.PathLike[str], tables: tuple[str, ...] | None = None
             column, value, apart_columns = apart[name]
             out[name], aside[name], seqs[name] = read_table_split(
                 p, name, gaps, meta["schema_version"], meta, columns=cols, column=column,
-                value=value, apart_columns=apart_columns)
+                value=value, apart_columns=apart_columns,
+                reduce=None if reduce_apart is None else reduce_apart.get(name))
         else:
             out[name], seqs[name] = read_table(
                 p, name, gaps, meta["schema_version"], meta, columns=cols,

@@ -72,6 +72,29 @@ def _arrow_from_malloc(kept: bool) -> Iterator[None]:
         pa.set_memory_pool(before)
 
 
+@contextmanager
+def _without_cyclic_gc() -> Iterator[None]:
+    """Python's cyclic garbage collector off while the report is made, on again (as it was)
+    afterwards: the imports and the analysis allocate many objects, each batch of which
+    set off a collection walking every object the imports made (about 200 of them, a
+    tenth of a second on a large run), while what the analysis frees it frees by reference
+    counting (its arrays and frames hold no cycles that grow with the run). The objects
+    made meanwhile (the modules imported, mostly) are then counted among the oldest
+    (``gc.freeze`` and ``gc.unfreeze``: no collection is run), so that the first young
+    collection after does not walk them all at once."""
+    import gc
+
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        gc.unfreeze()
+        if was:
+            gc.enable()
+
+
 def analyze(
     run: Path = typer.Argument(..., help="A kvscope run directory (holds run.json), or a file "
                                "to import: vLLM/SGLang /metrics text, vLLM OTLP JSON, a "
@@ -100,7 +123,7 @@ def analyze(
         raise InputError(f"--by {by}: expected one of {', '.join(GROUPS)}")
 
     window_ns = None if window_s is None else max(int(window_s * 1e9), 1)
-    with _arrow_from_malloc(_keep_freed_memory()):
+    with _arrow_from_malloc(_keep_freed_memory()), _without_cyclic_gc():
         text = _report_text(run, fmt, by, window_ns)
     if output is None:
         typer.echo(text, nl=False)
@@ -127,16 +150,17 @@ def _report_text(run: Path, fmt: str, by: str | None, window_ns: int | None) -> 
         text = render_import(imp, report, fmt)
     else:
         # Only the span columns the report reads (Parquet decodes no others), and the step
-        # spans (most of a run's rows) apart, in the few columns the step cost model reads,
-        # each part decoded once. Read on a thread (Arrow only; Arrow releases the GIL while
-        # it decodes) while this one imports pandas and the analyzers: on two cores the read
-        # and the imports overlap. A read that fails raises here, as it did before.
+        # spans (most of a run's rows) apart, reduced part by part to the step cost model's
+        # samples as they are decoded, each part decoded once. Read on a thread (Arrow and
+        # numpy only; both release the GIL while they work) while this one imports pandas
+        # and the analyzers: on two cores the read and the imports overlap. A read that
+        # fails raises here, as it did before.
         from concurrent.futures import ThreadPoolExecutor
 
         from analyzers.report_read import read_report_store
 
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvscope-read") as pool:
-            reading = pool.submit(read_report_store, run)
+            reading = pool.submit(read_report_store, run, samples=True)
             from analyzers.report import build_report, render
 
             store = reading.result()
