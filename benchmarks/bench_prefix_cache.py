@@ -49,7 +49,7 @@ from instrumented_engine.config import (  # noqa: E402
     SchedulerConfig,
 )
 from instrumented_engine.engine import LLMEngine  # noqa: E402
-from instrumented_engine.model import attention  # noqa: E402
+from instrumented_engine.model import attention, linear  # noqa: E402
 from instrumented_engine.model.llama import build_model  # noqa: E402
 
 CACHED_FRACTION = 0.75
@@ -138,9 +138,11 @@ def main() -> None:
     model = build_model(mc, dtype=torch.float32, device="cpu")
     rng = np.random.default_rng(0)
     path = "dense mask" if args.dense_mask else "prefix split + log-sum-exp merge"
+    proj = (f"MKL packed weights from {linear.PACK_MIN_ROWS} rows" if linear.ENABLED
+            else "F.linear")
     print(f"prefill, {CACHED_FRACTION:.0%} of the prompt cached vs cold; model {args.model}, "
           f"float32, {args.threads} torch thread(s), {args.reps} alternating pairs per length; "
-          f"cached attention: {path}")
+          f"cached attention: {path}; projections (both sides): {proj}")
     met = []
     for length in args.lengths:
         t_cold, t_warm, cached = measure(length, args.reps, model, mc, rng)

@@ -8,7 +8,10 @@ step across all requests.
 Inside the decoder, submodules are run through their `forward` and the projections through
 `F.linear` on their weights (the same ops `nn.Linear` runs; every projection is bias-free):
 `nn.Module.__call__` costs a few microseconds per call, some 70 calls per step on every step,
-and no hooks are registered on these modules.
+and no hooks are registered on these modules. Steps of `linear.PACK_MIN_ROWS` rows or more run
+their projections through MKL's packed GEMM where the build has it (`model.linear`: the weight
+is packed once instead of on every call; outputs bitwise those of `F.linear` but for long
+reductions, which round within float32 rounding of them).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from instrumented_engine.config import ModelConfig
+from instrumented_engine.model import linear as _linear
 from instrumented_engine.model.attention import AttentionMetadata, paged_attention
 
 
@@ -76,13 +80,14 @@ class Attention(nn.Module):
                 kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         """`cos`/`sin`: (T, 1, hd) RoPE factors of the rows' positions (broadcast over heads)."""
         t = x.shape[0]
-        q = F.linear(x, self.q_proj.weight).view(t, self.nh, self.hd)  # (T, nh, hd)
-        k = F.linear(x, self.k_proj.weight).view(t, self.nkv, self.hd)  # (T, nkv, hd)
-        v = F.linear(x, self.v_proj.weight).view(t, self.nkv, self.hd)
+        lin = _linear.linear if t >= _linear.PACK_MIN_ROWS else F.linear
+        q = lin(x, self.q_proj.weight).view(t, self.nh, self.hd)  # (T, nh, hd)
+        k = lin(x, self.k_proj.weight).view(t, self.nkv, self.hd)  # (T, nkv, hd)
+        v = lin(x, self.v_proj.weight).view(t, self.nkv, self.hd)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         o = paged_attention(q, k, v, kv[0], kv[1], meta)  # (T, nh, hd)
-        return F.linear(o.reshape(t, self.nh * self.hd), self.o_proj.weight)
+        return lin(o.reshape(t, self.nh * self.hd), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -93,8 +98,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.silu(F.linear(x, self.gate_proj.weight))
-                        * F.linear(x, self.up_proj.weight), self.down_proj.weight)
+        lin = _linear.linear if x.shape[0] >= _linear.PACK_MIN_ROWS else F.linear
+        return lin(F.silu(lin(x, self.gate_proj.weight)) * lin(x, self.up_proj.weight),
+                   self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
