@@ -25,9 +25,10 @@ has a base, else ts is already epoch µs. Parsing is the cost that matters: with
 (the ``analysis`` extra) a typed decode reads only the fields used — ``ph, cat, name, ts, dur,
 id`` and the few ``args`` that copies and annotations need, kept as raw JSON until then — and
 checks them in bulk; a trace that decode refuses (bad JSON, a field of another type, a number out
-of range) is read again by the general path (orjson, or the standard library), which names the
-first field at fault exactly as before. Either way the result is the same `_Events`, vectorised
-from there (the typed path reads each field it needs once per event, names only where read).
+of range, a ``ph`` that is none of the format's phases) is read again by the general path
+(orjson, or the standard library), which names the first field at fault exactly as before.
+Either way the result is the same `_Events`, vectorised from there (the typed path reads each
+field it needs once per event, names only where read).
 The file is read on a thread while this one reads the run store's requests (the read waits and
 copies without the GIL). The spans and requests are built as Arrow tables, which `ImportedRun`
 turns into its DataFrames when they are first read: an import whose caller reads none never
@@ -41,10 +42,9 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import compress
 from operator import attrgetter
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -370,6 +370,11 @@ _ARG_KEYS: tuple[tuple[str, str], ...] = (
     ("concrete_inputs", "Concrete Inputs"),
 )
 
+#: the phases of the Chrome trace event format ("Trace Event Format", Google), what the typed
+#: decode reads as `ph`
+_Phase = Literal["B", "E", "X", "i", "I", "C", "b", "n", "e", "s", "t", "f", "P", "O", "N", "D",
+                 "M", "V", "v", "R", "c", "(", ")"]
+
 if msgspec is not None:
     class _Args(msgspec.Struct, gc=False):
         """An event's `args`: the keys read, each left as raw JSON (decoded when read)."""
@@ -384,11 +389,15 @@ if msgspec is not None:
             default=None, name="Concrete Inputs")
 
     class _Event(msgspec.Struct, gc=False):
-        ph: str
+        # ph: one of the format's phases, decoded to one shared str each (cheaper to make,
+        # hash and free than a new one per event); another ph is read by the general path.
+        # ts/dur: NaN where absent (a JSON number is never NaN), so that a column of them is
+        # one `fromiter` (None only where the trace writes null).
+        ph: _Phase
         cat: str | None = None
         name: str | None = None
-        ts: float | None = None
-        dur: float | None = None
+        ts: float | None = math.nan
+        dur: float | None = math.nan
         id: str | int | float | None = None
         args: _Args | None = None
 
@@ -435,13 +444,10 @@ def _fast_events(data: bytes, path: Path) -> tuple[_Events, int | None] | None:
     n = len(events)
     ph_code, phs = _codes(map(_PH, events), n)
     complete = _is(ph_code, phs, "X")
-    ts = _floats(events, _TS, n)  # None → NaN
-    n_c = int(np.count_nonzero(complete))
-    try:  # the complete events' dur (the others' is never read)
-        dur_c = np.fromiter(map(_DUR, events if n_c == n else compress(events, complete.tolist())),
-                            dtype=np.float64, count=n_c)
-    except TypeError:  # a complete event without one: the general path names it
-        return None
+    ts = _floats(events, _TS, n)  # absent or null → NaN
+    # the complete events' dur (the others' is never read); NaN for a complete event without
+    # one, which the check below hands to the general path (it names it)
+    dur_c = _floats(events, _DUR, n)[complete]
     ts_c = ts[complete]
     with np.errstate(invalid="ignore"):
         present = ~np.isnan(ts)
@@ -492,8 +498,8 @@ def _is(code: np.ndarray, of_code: list[Any], value: Any) -> np.ndarray:
 
 
 def _floats(events: list[Any], get: Callable[[Any], float | None], n: int) -> np.ndarray:
-    """A float field of every decoded event, NaN where it is None."""
-    try:  # straight from the events when none lacks it (a ts, as a rule)
+    """A float field of every decoded event, NaN where it is None (or absent: NaN)."""
+    try:  # straight from the events when none is null (as a rule)
         return np.fromiter(map(get, events), dtype=np.float64, count=n)
     except TypeError:  # a None
         return np.array(list(map(get, events)), dtype=np.float64)

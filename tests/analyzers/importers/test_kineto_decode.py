@@ -189,3 +189,59 @@ def test_errors_past_the_decoder_same_either_path(tmp_path: Path,
     with pytest.raises(InputError) as general:
         _general(p, monkeypatch)
     assert str(fast.value) == str(general.value)
+
+
+def test_phase_outside_the_format_is_read_by_the_general_path(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The typed decode reads `ph` as one of the format's phases; any other string is not an
+    error: the general path reads the trace, and the result is what it always was."""
+    ev = _events()
+    ev.append({"ph": "Z", "cat": "kernel", "name": "odd", "ts": 80, "dur": 4})
+    p = kineto_trace(tmp_path, ev, base_ns=T0)
+    took = _spy_fast(monkeypatch)
+    fast = load(p)
+    assert took == [False]
+    _assert_same(fast, _general(p, monkeypatch))
+    assert fast.summary["kernels"]["count"] == 2  # ph Z is not a complete event
+
+
+def test_every_format_phase_is_read_by_the_typed_decode(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ev = _events()
+    ev += [{"ph": ph, "cat": "other", "name": f"p{ph}", "ts": 90} for ph in
+           ("B", "E", "I", "C", "b", "n", "e", "t", "P", "O", "N", "D", "V", "v", "R", "c", "(",
+            ")")]
+    p = kineto_trace(tmp_path, ev, base_ns=T0)
+    took = _spy_fast(monkeypatch)
+    fast = load(p)
+    assert took == [True]
+    _assert_same(fast, _general(p, monkeypatch))
+
+
+def test_null_ts_and_dur_where_not_read_same_either_path(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A null `dur` on an event that is not complete is never read; a null `ts` there is an
+    absent one: both paths agree, the typed one included."""
+    ev = _events()
+    ev[-2]["dur"] = None  # the instant event
+    ev[-1]["ts"] = None  # the metadata event
+    p = kineto_trace(tmp_path, ev, base_ns=T0)
+    took = _spy_fast(monkeypatch)
+    fast = load(p)
+    assert took == [True]
+    _assert_same(fast, _general(p, monkeypatch))
+
+
+def test_null_dur_on_a_complete_event_same_error(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    ev = _events()
+    ev[1]["dur"] = None
+    p = kineto_trace(tmp_path, ev, base_ns=T0)
+    took = _spy_fast(monkeypatch)
+    with pytest.raises(InputError) as fast:
+        load(p)
+    assert took == [False]
+    with pytest.raises(InputError) as general:
+        _general(p, monkeypatch)
+    assert str(fast.value) == str(general.value)
+    assert "traceEvents[1]: dur" in str(fast.value)
