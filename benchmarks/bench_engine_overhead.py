@@ -205,6 +205,11 @@ def measure(args: argparse.Namespace, cfg: EngineConfig, model: torch.nn.Module,
     tput_on: list[float] = []
     tput_off: list[float] = []
     drains: list[float] = []
+    # Per run, in CPU ms: the engine without telemetry, telemetry's share of the engine
+    # thread, the drains.
+    off_ms: list[float] = []
+    extra_ms: list[float] = []
+    drain_ms: list[float] = []
     for i in range(args.pairs):
         c_on, c_off, drain, n, info = run_pair(cfg, model, arrivals, i % 2 == 0, opts, warm,
                                                scratch, args.drain_interval)
@@ -215,6 +220,9 @@ def measure(args: argparse.Namespace, cfg: EngineConfig, model: torch.nn.Module,
         tput_on.append(n / c_on)
         tput_off.append(n / c_off)
         drains.append(drain / c_off)
+        off_ms.append(c_off * 1e3)
+        extra_ms.append((c_on - c_off) * 1e3)
+        drain_ms.append(drain * 1e3)
     m, h = mean_ci(over)
     md, hd = mean_ci(over_drain)
     ratio = statistics.fmean(tput_on) / statistics.fmean(tput_off)
@@ -233,6 +241,10 @@ def measure(args: argparse.Namespace, cfg: EngineConfig, model: torch.nn.Module,
           f"per run): mean {md * 100:+.2f} % (95 % CI {(md - hd) * 100:+.2f} .. "
           f"{(md + hd) * 100:+.2f} %); the drains alone: {statistics.fmean(drains) * 100:.2f} % "
           "of the engine's time")
+    print(f"per run, in CPU ms: the engine without telemetry {statistics.fmean(off_ms):.1f}, "
+          f"telemetry on the engine thread "
+          f"{statistics.fmean(extra_ms):+.2f} (median {statistics.median(extra_ms):+.2f}), the "
+          f"drains {statistics.fmean(drain_ms):.2f} (median {statistics.median(drain_ms):.2f})")
     print(f"load average: {load0} at the start, {load_average()} at the end")
 
 

@@ -114,7 +114,11 @@ class LLMEngine:
         self.tiers = self.flow.lookup_tiers if self.flow else ()
         self.recorder = recorder
         self.tel = (None if recorder is None
-                    else EngineInstrumentation(recorder, device=config.device))
+                    else EngineInstrumentation(
+                        recorder, device=config.device, flow=self.flow,
+                        device_counts=(self.kv.state_counts
+                                       if isinstance(self.kv, HybridKVCacheManager)
+                                       else self.pool.state_counts)))
         self.stats = EngineStats()
         self._namespace = config.namespace
         self._ns_cache: dict[str | None, bytes] = {}
@@ -291,10 +295,11 @@ class LLMEngine:
         tel = self.tel
         clock = self.clock
         self.stats.steps += 1
-        # Phase ranges (NVTX push/pop, profiler ranges) only when something receives them;
-        # everything else the step records is one call at its end (`step_done`).
-        ranges = tel is not None and tel.ranges()
-        step_id = tel.next_step() if tel else -1
+        # Phase ranges (NVTX push/pop, profiler ranges) only when something receives them
+        # (`EngineInstrumentation.ranges`, read here without its call); everything else the
+        # step records is one call at its end (`step_done`).
+        ranges = tel is not None and (tel.nvtx or bool(tel.rec.annotators))
+        step_id = self.stats.steps - 1  # `EngineInstrumentation.next_step`'s numbering
         t0 = clock()
         if ranges:
             tel.phase("schedule", step_id)
@@ -319,7 +324,7 @@ class LLMEngine:
         t2 = clock()
         if ranges:
             tel.phase("forward", step_id)
-        if tel and not tel.cpu:  # CUDA events, resolved in a later step
+        if tel and not tel.cpu_clock:  # CUDA events, resolved in a later step
             mark = tel.begin_forward()
             logits = self.runner.forward(inp, layer_ready=layer_ready)
             tel.end_forward(mark, step_id, batch, tokens)
@@ -345,9 +350,8 @@ class LLMEngine:
         self.stats.evicted_blocks += evicted
         if tel:
             tel.step_done(step_id, t0, t1, t2, t3, t4, forward, batch, tokens,
-                          device=self.kv.state_counts(), flow=self.flow,
-                          running=len(sched_.running), waiting=len(sched_.waiting),
-                          preemptions=self.stats.preemptions, evicted=evicted)
+                          len(sched_.running), len(sched_.waiting), self.stats.preemptions,
+                          evicted)
         return outputs
 
     def _publish(self, evicted: int, t: int) -> None:

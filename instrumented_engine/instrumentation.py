@@ -16,6 +16,7 @@ No exporter, metrics or tracing library is imported here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from agent.schema import BLOCK_STATES
@@ -49,9 +50,20 @@ class EngineInstrumentation:
     Args:
         recorder: the hot-path recorder (owned by the engine loop's thread).
         device: torch device string (picks CUDA-event or CPU timing of the forward).
+        device_counts: the device pool's (in_use, cached_free, empty) now, read once a step
+            by `step_done` (None: zeros).
+        flow: the engine's tier flow (its host tier's occupancy and the remote tier's
+            operations are read by `step_done`; the status reads the rest), if any.
     """
 
-    def __init__(self, recorder: Recorder, *, device: str) -> None:
+    # Slots: `step_done` reads a handful of these once a step, from a compact object.
+    __slots__ = ("_cpu", "_device_counts", "_host", "_max_rows", "_nvtx", "_phase_ranges",
+                 "_remote", "_remote_metrics", "_remote_ops", "_remote_total", "_rows",
+                 "_step_id", "cpu_clock", "flow", "nvtx", "rec", "timer")
+
+    def __init__(self, recorder: Recorder, *, device: str,
+                 device_counts: Callable[[], tuple[int, int, int]] | None = None,
+                 flow: TierFlow | None = None) -> None:
         self.rec = recorder
         self.timer = IntervalTimer(device, monotonic=recorder.now)
         self._step_id = -1
@@ -59,10 +71,20 @@ class EngineInstrumentation:
         self._remote_ops: dict[tuple[str, str], int] = {}
         self._remote_total = 0  # the sum of `_remote_ops`' counts
         self._remote_metrics: dict[tuple[str, str], str] = {}  # (op, outcome) → its metric
-        # Whether the recorder makes NVTX calls at all (fixed when it was built): without a
-        # tool attached the phase push/pop would be calls that record nothing.
-        self._nvtx = recorder.nvtx is not None and recorder.nvtx.real
+        #: Whether the recorder makes NVTX calls at all (fixed when it was built): without a
+        #: tool attached the phase push/pop would be calls that record nothing.
+        self.nvtx = recorder.nvtx is not None and recorder.nvtx.real
+        self._nvtx = self.nvtx
         self._cpu = not self.timer.is_cuda
+        #: `cpu`, as a plain attribute (the engine reads it once a step).
+        self.cpu_clock = self._cpu
+        #: The device pool's (in_use, cached_free, empty) now (`step_done` reads it).
+        self._device_counts = device_counts
+        self.flow = flow
+        self._host = flow.host if flow is not None else None
+        self._remote = flow.remote if flow is not None else None
+        self._rows = recorder.step_rows
+        self._max_rows = recorder.max_step_rows
 
     # ------------------------------------------------------------------ steps
     def next_step(self) -> int:
@@ -105,29 +127,58 @@ class EngineInstrumentation:
         self.timer.end(mark)
 
     def step_done(self, step_id: int, t0: int, t1: int, t2: int, t3: int, t4: int,
-                  forward: tuple[int, int] | None, batch: int, tokens: int, *,
-                  device: tuple[int, int, int], flow: TierFlow | None, running: int,
+                  forward: tuple[int, int] | None, batch: int, tokens: int, running: int,
                   waiting: int, preemptions: int, evicted: int) -> None:
-        """Everything a step records, in one recorder call (`Recorder.engine_step`): its
-        spans (`forward` (start, end) on the CPU clock; on CUDA the forward's span comes from
-        the interval timer when its events resolve), each pool's occupancy as samples, the
-        remote tier's operation counts that changed (cumulative, `remote_<op>_<outcome>`, the
-        run store's view of kvscope_remote_operations_total), the engine's status (built
-        when an exporter reads it) and the device's evictions since the last step as one
-        event."""
+        """Everything a step records, in one call from the engine loop: the rows of
+        `Recorder.engine_step` with the pools' counts read here (the device's through
+        `device_counts`, the host tier's) and the engine's status built from them when an
+        exporter reads it. The step's facts are appended to `Recorder.step_rows` as one tuple
+        (checked and expanded by the drain: its spans, `forward` (start, end) on the CPU
+        clock, on CUDA the forward's span comes from the interval timer when its events
+        resolve; each pool's occupancy as samples); the remote tier's operation counts that
+        changed as pool samples (cumulative, `remote_<op>_<outcome>`, the run store's view of
+        kvscope_remote_operations_total) and the device's evictions since the last step as
+        one event, as `engine_step` records them. Never raises."""
         rec = self.rec
-        host = None
-        extra: list[tuple[str, float, str, str]] | tuple[()] = ()
-        if flow is not None:
-            if flow.host is not None:
-                host = flow.host.state_counts()
-            if flow.remote is not None:
-                extra = self._remote_changes(flow.remote)
-        rec.engine_step(step_id, t0, t1, t2, t3, t4, forward, batch, tokens, device, host,
-                        extra, status=(_engine_status, (running, waiting, preemptions, device,
-                                                        host, flow)), evicted=evicted)
+        try:
+            counts = self._device_counts
+            d0, d1, d2 = counts() if counts is not None else (0, 0, 0)
+            host = self._host
+            if host is None:
+                h0 = h1 = h2 = -1
+            else:
+                h0, h1, h2 = host.state_counts()
+            if forward is None:
+                f0 = f1 = -1
+            else:
+                f0, f1 = forward
+            row = (step_id, t0, t1, t2, t3, t4, f0, f1, batch, tokens, d0, d1, d2, h0, h1, h2,
+                   running, waiting, preemptions)
+            if len(self._rows) < self._max_rows:
+                self._rows.append(row)  # one store; the drain checks and expands it
+            else:
+                rec.count_dropped("spans", 3 if forward is None else 4)
+                rec.count_dropped("samples", 3 if host is None else 6)
+            rec.publish_deferred(self._row_status, row)  # built when an exporter reads it
+            remote = self._remote
+            # Counts only grow, so their total tells whether any changed (one C-level sum;
+            # the counts are copied, under the stats' lock, only then).
+            if remote is not None and sum(remote.stats.outcomes.values()) != self._remote_total:
+                rec.samples("pool", self._remote_changes(remote), t=t4)
+        except Exception:
+            rec.count_error()
+        if evicted:
+            rec.event("eviction", t=t4, detail={"tier": "device", "blocks": evicted})
         if not self._cpu:
             self._resolved_forwards()
+
+    def _row_status(self, step_id: int, t0: int, t1: int, t2: int, t3: int, t4: int, f0: int,
+                    f1: int, batch: int, tokens: int, d0: int, d1: int, d2: int, h0: int,
+                    h1: int, h2: int, running: int, waiting: int, preemptions: int
+                    ) -> EngineStatus:
+        """The `EngineStatus` of one `step_done` row."""
+        return _engine_status(running, waiting, preemptions, (d0, d1, d2),
+                              None if self._host is None else (h0, h1, h2), self.flow)
 
     def _remote_changes(self, remote: Any) -> list[tuple[str, float, str, str]]:
         """The remote's operation counts that changed since the last step, as pool samples.

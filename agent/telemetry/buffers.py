@@ -86,8 +86,25 @@ class RowBlock:
         return self.cols[:, lo:hi].T
 
 
-#: A drained slice of a segment (or of a block of foreign rows): rows [lo, hi).
-Chunk = tuple[Segment | RowBlock, int, int]
+class MatrixBlock:
+    """Rows already checked into one C-contiguous (rows, columns) int64 matrix (the engine's
+    queued step rows), drained as a chunk: the part of `Segment` that chunks use."""
+
+    __slots__ = ("m", "waits")
+
+    def __init__(self, m: np.ndarray) -> None:
+        self.m = m
+        self.waits: dict[int, tuple[int, ...]] | None = None
+
+    def view(self, i: int, lo: int, hi: int) -> np.ndarray:
+        return self.m[lo:hi, i]
+
+    def rows(self, lo: int, hi: int) -> np.ndarray:
+        return self.m[lo:hi]
+
+
+#: A drained slice of a segment (or of a block of foreign or queued rows): rows [lo, hi).
+Chunk = tuple[Segment | RowBlock | MatrixBlock, int, int]
 
 
 class SegmentedTable:

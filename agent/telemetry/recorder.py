@@ -20,10 +20,13 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+from array import array
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from agent.clock import ClockAnchor, now_ns, process_anchor
@@ -31,8 +34,8 @@ from agent.schema import STATES, STEP_PHASES
 from agent.telemetry import tables
 from agent.telemetry.accounting import RequestAccounting
 from agent.telemetry.annotate import NvtxAnnotator
-from agent.telemetry.buffers import Chunk, SegmentedTable, pop_all
-from agent.telemetry.codes import CLOCK_CPU, CLOCK_CUDA, TIER_CODE
+from agent.telemetry.buffers import Chunk, MatrixBlock, SegmentedTable, pop_all
+from agent.telemetry.codes import CLOCK_CPU, CLOCK_CUDA, I32_MAX, TIER_CODE
 from agent.telemetry.records import OtherRecords
 from agent.telemetry.states import RequestStates, _Open
 from agent.telemetry.status import EngineStatus
@@ -129,9 +132,14 @@ class Recorder(RequestStates, OtherRecords):
         self._act = SegmentedTable("spans", _ACT_COLS, segment_rows, max_segments,
                                    row_major=True)
         self._step = SegmentedTable("spans", _STEP_COLS, segment_rows, max_segments)
-        # One packed row per engine step (`engine_step`): its spans and pool samples.
-        self._steps = SegmentedTable("spans", tables.ENGINE_STEP_COLS, segment_rows,
-                                     max_segments, row_major=True)
+        #: One row per engine step (`engine_step`, or the engine loop's own append through
+        #: `EngineInstrumentation.step_done`): `tables.ENGINE_STEP_COLS`, then the step's
+        #: running, waiting and preemptions (-1: not given). Plain tuples, checked as int64s
+        #: and expanded into spans and pool samples by the drain (`_take_steps`); a row that
+        #: fails the check is counted there (`recording_errors`) and records nothing.
+        self.step_rows: deque[tuple[Any, ...]] = deque()
+        # As many rows as a segmented table holds before it drops (its segments + the active).
+        self.max_step_rows = segment_rows * (max_segments + 1)
         self._layers = SegmentedTable("layers", _LAYER_COLS, segment_rows, max_segments,
                                       row_major=True)
         self._max_rows = segment_rows * max_segments
@@ -146,6 +154,9 @@ class Recorder(RequestStates, OtherRecords):
         self._retain_ids = retain_ids
         self._nums = itertools.count()  # request_num: 0, 1, ...
         self._transfer_ids = itertools.count(1)  # next() is atomic: safe from any thread
+        # `new_transfer_id` is the counter's own __next__ (as `now` is the clock): no Python
+        # frame per transfer.
+        self.new_transfer_id = self._transfer_ids.__next__  # type: ignore[method-assign]
         self._names: dict[str, int] = {}
         self._name_list: list[str] = []
         for n in (*STATES, *STEP_PHASES):
@@ -187,6 +198,20 @@ class Recorder(RequestStates, OtherRecords):
         """(Any thread) the engine's status now; replaces the previous one in one store, so a
         reader (an exporter's scrape) always sees one whole snapshot."""
         self._pub = status
+
+    def publish_deferred(self, builder: Any, args: tuple[Any, ...]) -> None:
+        """(Any thread) the engine's status as `builder(*args)`, built only when a reader
+        asks for it (`status`): one store a step, as `publish`."""
+        self._pub = (builder, args)
+
+    def count_error(self) -> None:
+        """Count a failed recording (for engine-side code that stores its rows itself, as
+        `EngineInstrumentation.step_done` does into `step_rows`)."""
+        self._error()
+
+    def count_dropped(self, table: str, n: int = 1) -> None:
+        """Count `n` rows of `table` dropped because its buffer was full (as above)."""
+        self._drop(table, n)
 
     @property
     def status(self) -> EngineStatus | None:
@@ -233,7 +258,7 @@ class Recorder(RequestStates, OtherRecords):
                 self._names[name] = code
         return code
 
-    def new_transfer_id(self) -> int:
+    def new_transfer_id(self) -> int:  # replaced by the counter's __next__ in __init__
         """A fresh transfer id (links activity spans to the states that waited on them)."""
         return next(self._transfer_ids)
 
@@ -278,7 +303,7 @@ class Recorder(RequestStates, OtherRecords):
             state = self._state.take(late)
             act = self._act.take(late)
             step = self._step.take(late)
-            steps = self._steps.take(late)
+            steps = self._take_steps()
             layers = self._layers.take(late)
             requests = pop_all(self._requests)
             samples = pop_all(self._samples)
@@ -310,6 +335,43 @@ class Recorder(RequestStates, OtherRecords):
                 self.stats.rows[name] = self.stats.rows.get(name, 0) + tbl.num_rows
             return result
 
+    def _take_steps(self) -> list[Chunk]:
+        """(Drain) the queued engine step rows as one chunk of `tables.ENGINE_STEP_COLS`
+        columns; rows that are not all int64s, or break `engine_step`'s rules (batch within
+        int32, pool counts >= 0, the host's all -1 or all >= 0), are counted as recording
+        errors and left out."""
+        raw = pop_all(self.step_rows)
+        if not raw:
+            return []
+        width = len(tables.ENGINE_STEP_COLS)
+        try:
+            if set(map(len, raw)) != {_STEP_ROW_LEN}:
+                raise ValueError("a step row of the wrong length")
+            flat = array("q", chain.from_iterable(raw))  # one C pass checks every value
+        except (TypeError, ValueError, OverflowError):
+            good = []
+            for row in raw:
+                try:
+                    if len(row) != _STEP_ROW_LEN:
+                        raise ValueError("a step row of the wrong length")
+                    good.append(array("q", row))
+                except (TypeError, ValueError, OverflowError):
+                    self._error()
+            if not good:
+                return []
+            flat = array("q", chain.from_iterable(good))
+        m = np.frombuffer(flat, dtype=np.int64).reshape(-1, _STEP_ROW_LEN)[:, :width]
+        batch, dev, host = m[:, 8], m[:, 10:13], m[:, 13:16]
+        ok = ((batch >= -1) & (batch <= I32_MAX) & (dev >= 0).all(axis=1)
+              & ((host == -1).all(axis=1) | (host >= 0).all(axis=1)))
+        if not ok.all():
+            for _ in range(int((~ok).sum())):
+                self._error()
+            m = m[ok]
+            if not len(m):
+                return []
+        return [(MatrixBlock(np.ascontiguousarray(m)), 0, len(m))]
+
     def _build(self, table: str, n: int, fn: Any, *args: Any) -> pa.Table | None:
         try:
             return fn(*args)
@@ -324,6 +386,9 @@ class Recorder(RequestStates, OtherRecords):
         self._retire_next = retired_now
         for _ in range(len(self._forgettable) - self._retain_ids):
             self._ids.pop(self._forgettable.popleft(), None)
+
+
+_STEP_ROW_LEN = len(tables.ENGINE_STEP_COLS) + 3
 
 
 def _rows(chunks: list[Chunk]) -> int:

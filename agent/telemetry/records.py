@@ -8,6 +8,7 @@ the request id resolved at record time. `Recorder` mixes this class in.
 from __future__ import annotations
 
 import operator
+import struct
 import threading
 from array import array
 from collections import deque
@@ -27,6 +28,9 @@ from agent.telemetry.codes import (
 
 _index = operator.index
 _get_ident = threading.get_ident
+#: A queued engine step row (`Recorder.step_rows`): `tables.ENGINE_STEP_COLS`, then the
+#: step's running, waiting and preemptions (-1 when not given), as int64s.
+_STEP_ROW = struct.Struct("19q")
 
 
 class OtherRecords:
@@ -44,7 +48,8 @@ class OtherRecords:
     _max_rows: int
     _clock: Any
     _pub: Any
-    _steps: SegmentedTable
+    step_rows: deque[tuple[Any, ...]]
+    max_step_rows: int
     nvtx: Any
 
     def intern(self, name: str) -> int: ...
@@ -121,6 +126,17 @@ class OtherRecords:
                 raise ValueError(f"clock must be CLOCK_CPU or CLOCK_CUDA, got {clock!r}")
             row = (request_num, code, start_ns, end_ns, tcode, layer, tokens, nbytes,
                    transfer_id, clock, KIND_ACTIVITY, -1)
+            if _get_ident() == self._owner:
+                # `_put_activity`'s owner path inlined (one call less per row on the engine
+                # loop); a full segment or another thread takes the general path.
+                seg = self._act.active
+                i = seg.n
+                if i != seg.cap:
+                    if request_num != -1 and request_num not in self._ids:
+                        self._count_unknown()
+                    seg.pack(seg.buf, i * seg.row_bytes, *row)
+                    seg.n = i + 1
+                    return
             self._put_activity(row, request_num)
         except Exception:
             self._error()
@@ -156,25 +172,30 @@ class OtherRecords:
         """
         try:
             t = self._clock() if t is None else _index(t)
-            self._put_activity(self._ledger_row(name, request_num, t, tier, tokens, nbytes,
-                                                block, transfer_id, layer), request_num)
+            # `_ledger_row` and `_put_activity`'s owner path inlined: one call per row on the
+            # engine loop instead of three (the same checks, in the same order).
+            code = self._names.get(name)
+            if code is None:
+                code = self.intern(name)
+            tcode = -1 if tier is None else TIER_CODE[tier]
+            if not -1 <= block <= I32_MAX:
+                raise ValueError(f"block out of range: {block}")
+            if not -1 <= layer <= I32_MAX:
+                raise ValueError(f"layer out of range: {layer}")
+            row = (request_num, code, t, t, tcode, layer, tokens, nbytes, transfer_id,
+                   CLOCK_CPU, KIND_LEDGER, block)
+            if _get_ident() == self._owner:
+                seg = self._act.active
+                i = seg.n
+                if i != seg.cap:
+                    if request_num != -1 and request_num not in self._ids:
+                        self._count_unknown()
+                    seg.pack(seg.buf, i * seg.row_bytes, *row)
+                    seg.n = i + 1
+                    return
+            self._put_activity(row, request_num)
         except Exception:
             self._error()
-
-    def _ledger_row(self, name: str, rn: int, t: int, tier: str | None, tokens: int,
-                    nbytes: int, block: int, transfer_id: int, layer: int) -> tuple[int, ...]:
-        """The activity-buffer row (`_ACT_COLS`) of one ledger row at `t`; raises on a bad
-        value."""
-        code = self._names.get(name)
-        if code is None:
-            code = self.intern(name)
-        tcode = -1 if tier is None else TIER_CODE[tier]
-        if not -1 <= block <= I32_MAX:
-            raise ValueError(f"block out of range: {block}")
-        if not -1 <= layer <= I32_MAX:
-            raise ValueError(f"layer out of range: {layer}")
-        return (rn, code, t, t, tcode, layer, tokens, nbytes, transfer_id, CLOCK_CPU,
-                KIND_LEDGER, block)
 
     def ledgers(self, rows: Sequence[tuple[str, int, int | None, str | None, int, int, int, int,
                                             int]]) -> None:
@@ -193,15 +214,25 @@ class OtherRecords:
             pack, buf, size = seg.pack, seg.buf, seg.row_bytes
             at = i * size
             packed = []
-            ledger_row = self._ledger_row
-            for name, rn, t, *rest in rows:
+            names = self._names
+            # `_ledger_row` inlined: the same checks, one call for all the rows.
+            for name, rn, t, tier, tokens, nbytes, block, transfer_id, layer in rows:
                 if t is None:
                     if t_now < 0:
                         t_now = self._clock()
                     t = t_now
                 else:
                     t = _index(t)
-                row = ledger_row(name, rn, t, *rest)
+                code = names.get(name)
+                if code is None:
+                    code = self.intern(name)
+                tcode = -1 if tier is None else TIER_CODE[tier]
+                if not -1 <= block <= I32_MAX:
+                    raise ValueError(f"block out of range: {block}")
+                if not -1 <= layer <= I32_MAX:
+                    raise ValueError(f"layer out of range: {layer}")
+                row = (rn, code, t, t, tcode, layer, tokens, nbytes, transfer_id, CLOCK_CPU,
+                       KIND_LEDGER, block)
                 if fast:
                     pack(buf, at, *row)  # a bad value raises before any row is published
                     at += size
@@ -360,8 +391,8 @@ class OtherRecords:
                     extra: Sequence[tuple[str, float, str | None, str | None]] = (), *,
                     status: tuple[Any, tuple[Any, ...]] | None = None,
                     evicted: int = 0) -> None:
-        """Everything one engine step records, in one call (the engine loop's, once a step),
-        stored as one packed row that the drain expands (`tables.engine_steps`):
+        """Everything one engine step records, in one call, stored as one row of
+        `step_rows` that the drain expands (`tables.spans_table`, `tables.engine_samples_table`):
 
         - step spans `schedule` [t0, t1], `prepare` [t1, t2], `sample` [t3, t4] and, when
           `forward` (start_ns, end_ns) is given (a CPU clock: resolved already), `forward`,
@@ -395,20 +426,15 @@ class OtherRecords:
                 self._engine_step_foreign(step_id, t0, t1, t2, t3, t4, forward,
                                           batch_requests, tokens, device, host)
             else:
-                tbl = self._steps
-                seg = tbl.active
-                i = seg.n
-                if i == seg.cap:
-                    seg = tbl.rotate()
-                    i = 0
-                if seg is None:
+                row = (step_id, t0, t1, t2, t3, t4, f0, f1, batch_requests, tokens, d0, d1, d2,
+                       h0, h1, h2, -1, -1, -1)
+                _STEP_ROW.pack(*row)  # every value an int64, checked in C before the store
+                q = self.step_rows
+                if len(q) >= self.max_step_rows:
                     self._drop("spans", 3 if forward is None else 4)
                     self._drop("samples", 3 if host is None else 6)
                 else:
-                    # One C call checks and stores the whole row; published by the count.
-                    seg.pack(seg.buf, i * seg.row_bytes, step_id, t0, t1, t2, t3, t4, f0, f1,
-                             batch_requests, tokens, d0, d1, d2, h0, h1, h2)
-                    seg.n = i + 1
+                    q.append(row)
             if extra:
                 self.samples("pool", extra, t=t4)
             if status is not None:
@@ -530,7 +556,7 @@ class OtherRecords:
             if not (detail is None or isinstance(detail, dict)):
                 raise TypeError("event detail must be a dict or None")
             t = self._clock() if t is None else _index(t)
-            rid = self._request_id(request_num)
+            rid = None if request_num == -1 else self._request_id(request_num)
             if len(self._events) >= self._max_rows:
                 self._drop("events")
                 return

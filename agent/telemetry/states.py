@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from agent.schema import DECODE_STAGE, STATE_CODE, STATES, STATUSES
-from agent.telemetry.accounting import RequestAccounting
+from agent.telemetry.accounting import _INT64S, RequestAccounting, _fields
 from agent.telemetry.buffers import SegmentedTable
 from agent.telemetry.codes import NO_RANGE
 
@@ -125,8 +125,7 @@ class RequestStates:
             if t < start:
                 t = start
                 self.stats.clock_regressions += 1  # owner thread only: no race
-            # NOTE: request_end's _write_state() is the same write, kept inline here (the hot
-            # path) to save a call.
+            # NOTE: request_end makes the same write (inline there too, to save a call).
             seg = self._state.active
             i = seg.n
             if i == seg.cap:
@@ -162,26 +161,6 @@ class RequestStates:
                 self._annotate(op, STATES[state], rn)
         except Exception:
             self._error()
-
-    def _write_state(self, op: _Open, rn: int, t: int) -> None:
-        """(Owner) close `op`'s current state at `t` (>= op.start): the row of `stage()`."""
-        tbl = self._state
-        seg = tbl.active
-        i = seg.n
-        if i == seg.cap:
-            seg = tbl.rotate()
-            i = 0
-        if seg is None:
-            self._drop("spans")
-        else:
-            seg.pack(seg.buf, i * seg.row_bytes, rn, op.state, op.start, t)
-            if op.waits is not None:
-                if seg.waits is None:
-                    seg.waits = {}
-                seg.waits[i] = tuple(op.waits)
-            seg.n = i + 1
-        op.waits = None
-        op.start = t
 
     def _annotate(self, op: _Open, name: str, rn: int) -> None:
         for ann, rid in zip(self.annotators, op.extra or (), strict=False):
@@ -246,7 +225,11 @@ class RequestStates:
             if op is None:
                 self._count_unknown()
                 return
-            acct = accounting.checked_values()
+            # `RequestAccounting.checked_values` inlined (one C-level type/range check of
+            # every field); a negative field goes through it for its error.
+            acct = _INT64S.unpack(_INT64S.pack(*_fields(accounting)))
+            if min(acct) < 0:
+                accounting.checked_values()
             if status not in STATUSES:
                 raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
             if not (output_digest is None or isinstance(output_digest, str)):
@@ -256,7 +239,24 @@ class RequestStates:
             if t < op.start:
                 t = op.start
                 self.stats.clock_regressions += 1
-            self._write_state(op, rn, t)
+            # `_write_state` inlined (the request's last state span).
+            tbl = self._state
+            seg = tbl.active
+            i = seg.n
+            if i == seg.cap:
+                seg = tbl.rotate()
+                i = 0
+            if seg is None:
+                self._drop("spans")
+            else:
+                seg.pack(seg.buf, i * seg.row_bytes, rn, op.state, op.start, t)
+                if op.waits is not None:
+                    if seg.waits is None:
+                        seg.waits = {}
+                    seg.waits[i] = tuple(op.waits)
+                seg.n = i + 1
+            op.waits = None
+            op.start = t
             del self._open[rn]
             if len(self._requests) < self._max_rows:
                 self._requests.append(

@@ -89,8 +89,11 @@ def _ints(type_: pa.DataType, values: np.ndarray, valid: np.ndarray | None = Non
     (zero-copy); entries where `valid` (k × n) is False are null."""
     k, n = values.shape
     if valid is None:
-        return [pa.Array.from_buffers(type_, n, [None, pa.py_buffer(values[j])], null_count=0)
-                for j in range(k)]
+        # One array over the whole matrix, sliced per column (a slice costs half of an array
+        # built from its own buffer; the values are the same memory either way).
+        whole = pa.Array.from_buffers(type_, k * n, [None, pa.py_buffer(values)],
+                                      null_count=0)
+        return [whole] if k == 1 else [whole.slice(j * n, n) for j in range(k)]
     bitmaps, nulls = _bitmaps(valid)
     return [pa.Array.from_buffers(type_, n, [bitmaps[j], pa.py_buffer(values[j])],
                                   null_count=nulls[j]) for j in range(k)]
@@ -530,19 +533,25 @@ def engine_samples_table(steps: list[Chunk], rows: Sequence[tuple[Any, ...]], of
          *_ints(_F64, np.ascontiguousarray(value).reshape(1, -1)), uni], schema=SAMPLES_SCHEMA)
 
 
+# What json.dumps(detail, default=str, sort_keys=True) and json.dumps(detail, default=str)
+# call, with their encoders built once rather than per event.
+_JSON_SORTED = json.JSONEncoder(default=str, sort_keys=True).encode
+_JSON = json.JSONEncoder(default=str).encode
+
+
 def detail_json(detail: dict[str, Any] | None) -> str | None:
     """An event's detail as JSON text, keys sorted when they can be; never raises (the drain
     must not fail on one value)."""
     if detail is None:
         return None
     try:
-        return json.dumps(detail, default=str, sort_keys=True)
+        return _JSON_SORTED(detail)
     except TypeError:  # keys of mixed types cannot be sorted
         pass
     except Exception as exc:  # circular references, a failing __str__, ...
         return json.dumps({"unserializable": type(exc).__name__, "repr": _safe_repr(detail)})
     try:
-        return json.dumps(detail, default=str)
+        return _JSON(detail)
     except Exception as exc:
         return json.dumps({"unserializable": type(exc).__name__, "repr": _safe_repr(detail)})
 
