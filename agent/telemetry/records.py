@@ -126,17 +126,6 @@ class OtherRecords:
                 raise ValueError(f"clock must be CLOCK_CPU or CLOCK_CUDA, got {clock!r}")
             row = (request_num, code, start_ns, end_ns, tcode, layer, tokens, nbytes,
                    transfer_id, clock, KIND_ACTIVITY, -1)
-            if _get_ident() == self._owner:
-                # `_put_activity`'s owner path inlined (one call less per row on the engine
-                # loop); a full segment or another thread takes the general path.
-                seg = self._act.active
-                i = seg.n
-                if i != seg.cap:
-                    if request_num != -1 and request_num not in self._ids:
-                        self._count_unknown()
-                    seg.pack(seg.buf, i * seg.row_bytes, *row)
-                    seg.n = i + 1
-                    return
             self._put_activity(row, request_num)
         except Exception:
             self._error()
@@ -172,8 +161,8 @@ class OtherRecords:
         """
         try:
             t = self._clock() if t is None else _index(t)
-            # `_ledger_row` and `_put_activity`'s owner path inlined: one call per row on the
-            # engine loop instead of three (the same checks, in the same order).
+            # The row's checks inline (one call per row to `_put_activity`, not a row builder
+            # as well).
             code = self._names.get(name)
             if code is None:
                 code = self.intern(name)
@@ -184,15 +173,6 @@ class OtherRecords:
                 raise ValueError(f"layer out of range: {layer}")
             row = (request_num, code, t, t, tcode, layer, tokens, nbytes, transfer_id,
                    CLOCK_CPU, KIND_LEDGER, block)
-            if _get_ident() == self._owner:
-                seg = self._act.active
-                i = seg.n
-                if i != seg.cap:
-                    if request_num != -1 and request_num not in self._ids:
-                        self._count_unknown()
-                    seg.pack(seg.buf, i * seg.row_bytes, *row)
-                    seg.n = i + 1
-                    return
             self._put_activity(row, request_num)
         except Exception:
             self._error()
