@@ -174,4 +174,6 @@ class StepSamples:
             cat = list(_by_step(*cat))
         _, tokens, ns, batch = cat
         keep = (tokens > 0) & (ns > 0) & (tokens > batch)
-        return cls(tokens[keep], ns[keep].astype(np.float64), max(ends) if ends else None)
+        tok, sec = tokens[keep], ns[keep].astype(np.float64)
+        tok.flags.writeable = sec.flags.writeable = False  # shared by every fit that reads them
+        return cls(tok, sec, max(ends) if ends else None)

@@ -359,8 +359,11 @@ def column_array(df: pd.DataFrame, name: str) -> Any:
 
 def _is_int64_masked(a: Any) -> bool:
     """A pandas ``Int64`` array (values in ``_data``, nulls in ``_mask``)."""
-    return (type(a) is _integer_array() and a._data.dtype == np.int64
-            and a._mask.dtype == np.bool_ and a._data.shape == a._mask.shape)
+    try:
+        return (type(a) is _integer_array() and a._data.dtype == np.int64
+                and a._mask.dtype == np.bool_ and a._data.shape == a._mask.shape)
+    except AttributeError:  # a pandas whose IntegerArray keeps its parts elsewhere
+        return False
 
 
 @cache
@@ -375,12 +378,13 @@ def int_column(df: pd.DataFrame, name: str, fill: int = -1) -> np.ndarray:
     numpy int64 and ``Int64`` go through `F.ints` itself."""
     a = column_array(df, name)
     if isinstance(a, np.ndarray) and a.dtype == np.int64:
-        return a if a.dtype is _INT64 else a.view(_INT64)
+        return _read_only(a)
     if _is_int64_masked(a):
         data = a._data
-        if a._mask.any():
-            data = data.copy()
-            data[a._mask] = fill
+        if not a._mask.any():
+            return _read_only(data)
+        data = data.copy()
+        data[a._mask] = fill
         return data if data.dtype is _INT64 else data.view(_INT64)
     return F.ints(df[name], fill)
 
@@ -399,6 +403,13 @@ def valid_column(df: pd.DataFrame, name: str) -> np.ndarray:
 
 
 _INT64 = np.dtype(np.int64)
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    """A read-only int64 view of a frame's own buffer (a write raises, as into `F.ints`'s)."""
+    v = a.view(_INT64)
+    v.flags.writeable = False
+    return v
 
 
 def build_frame(data: Mapping[str, Any], n: int) -> pd.DataFrame:

@@ -17,15 +17,18 @@ bit (`exact`) or within `_TOLERANCE` of the largest output, else that weight kee
 Smaller batches (decodes), other dtypes and devices, builds without MKL, and calls that autograd
 must record all run `F.linear` as before.
 
-A pack belongs to one weight tensor at one version: a weight replaced (a new tensor) or written
-in place (`load_state_dict`, `copy_`: the version counter moves) is packed again on next use, and
-a pack is dropped with its weight. A pack costs about its weight's size in memory; packs stop
+A pack belongs to one weight tensor at one version and storage: a weight replaced (a new tensor,
+or `w.data = t`, `Module.to`: the storage moves) or written in place (`load_state_dict`,
+`copy_`: the version counter moves) is packed again on next use, and a pack is dropped with its
+weight. Writes through `w.data` in place (`w.data.copy_(...)`) move neither: code that does them
+calls `clear()` afterwards. A pack costs about its weight's size in memory; packs stop
 being made once `PACK_BUDGET_BYTES` are held (a large checkpoint then keeps `F.linear` for the
 rest, rather than doubling its weights' memory).
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any
 
@@ -55,12 +58,13 @@ class _Pack:
     """One weight's pack: the weight (weakly), its version when packed, the packed tensor
     (None: this weight runs `F.linear`), whether the probe matched `F.linear` bit for bit."""
 
-    __slots__ = ("exact", "nbytes", "packed", "ref", "version")
+    __slots__ = ("exact", "nbytes", "packed", "ptr", "ref", "version")
 
-    def __init__(self, ref: weakref.ref[torch.Tensor], version: int,
+    def __init__(self, ref: weakref.ref[torch.Tensor], version: int, ptr: int,
                  packed: torch.Tensor | None, nbytes: int = 0, exact: bool = False) -> None:
         self.ref = ref
         self.version = version
+        self.ptr = ptr
         self.packed = packed
         self.nbytes = nbytes  # the weight's bytes, counted against the budget while packed
         self.exact = exact
@@ -69,25 +73,46 @@ class _Pack:
 _PACKS: dict[int, _Pack] = {}
 #: Bytes of the weights packed now (the sum of the live packs' `nbytes`).
 _packed_bytes = 0
+#: Guards `_PACKS` and `_packed_bytes` (models run from several threads pack at once).
+_LOCK = threading.RLock()
 
 
 def _release(p: _Pack | None) -> None:
     global _packed_bytes
     if p is not None:
-        _packed_bytes -= p.nbytes
-        p.nbytes = 0
-        p.packed = None
+        with _LOCK:
+            _packed_bytes -= p.nbytes
+            p.nbytes = 0
+            p.packed = None
 
 
-def _forget(key: int) -> Any:
+def _forget(key: int, pack: list[_Pack]) -> Any:
     def drop(_ref: object) -> None:
-        _release(_PACKS.pop(key, None))
+        with _LOCK:
+            if pack and _PACKS.get(key) is pack[0]:  # not a newer weight at a reused id
+                del _PACKS[key]
+            if pack:
+                _release(pack[0])
     return drop
+
+
+def clear() -> None:
+    """Drop every pack (each weight is packed again on its next use): for code that writes
+    weights through `w.data` in place, which moves neither the version nor the storage."""
+    with _LOCK:
+        for p in list(_PACKS.values()):
+            _release(p)
+        _PACKS.clear()
 
 
 def _pack(w: torch.Tensor) -> _Pack:
     """Pack `w` (out, in) and check it against `F.linear`; packed None where it does not
     apply or does not agree within `_TOLERANCE`."""
+    with _LOCK:
+        return _pack_locked(w)
+
+
+def _pack_locked(w: torch.Tensor) -> _Pack:
     global _packed_bytes
     key = id(w)
     _release(_PACKS.pop(key, None))  # a stale pack of this weight (written, or id reused)
@@ -113,7 +138,10 @@ def _pack(w: torch.Tensor) -> _Pack:
     if packed is None:
         nbytes, exact = 0, False
     _packed_bytes += nbytes
-    p = _Pack(weakref.ref(w, _forget(key)), w._version, packed, nbytes, exact)
+    holder: list[_Pack] = []
+    p = _Pack(weakref.ref(w, _forget(key, holder)), w._version, w.data_ptr(), packed, nbytes,
+              exact)
+    holder.append(p)
     _PACKS[key] = p
     return p
 
@@ -122,7 +150,6 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """`F.linear(x, w)` for 2-D `x` (rows, in) and `w` (out, in), through the packed weight
     where that applies (see the module notes: bitwise equal where the pack is `exact`, else
     within float32 rounding)."""
-    global ENABLED
     if not ENABLED or x.shape[0] < PACK_MIN_ROWS or x.dtype != torch.float32 \
             or x.device.type != "cpu" \
             or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)):
@@ -132,14 +159,15 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     except RuntimeError:  # an inference tensor keeps no version: its writes go unseen
         return F.linear(x, w)
     p = _PACKS.get(id(w))
-    if p is None or p.ref() is not w or p.version != version:
+    if p is None or p.ref() is not w or p.version != version or p.ptr != w.data_ptr():
         p = _pack(w)
-    if p.packed is None:
+    packed = p.packed
+    if packed is None:
         return F.linear(x, w)
     try:
-        return _PACKED_LINEAR(x, p.packed, w, None, x.shape[0])
+        return _PACKED_LINEAR(x, packed, w, None, x.shape[0])
     except (RuntimeError, TypeError, ValueError):
-        # Should the private op change or refuse an input, use F.linear from then on rather
-        # than fail the forward.
-        ENABLED = False
+        # Should the private op refuse an input, this weight runs F.linear from then on
+        # rather than fail the forward.
+        _release(p)
         return F.linear(x, w)

@@ -89,8 +89,9 @@ def _without_cyclic_gc() -> Iterator[None]:
     try:
         yield
     finally:
-        gc.freeze()
-        gc.unfreeze()
+        if gc.get_freeze_count() == 0:  # a host's own frozen objects stay frozen
+            gc.freeze()
+            gc.unfreeze()
         if was:
             gc.enable()
 

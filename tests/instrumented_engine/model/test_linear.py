@@ -98,7 +98,7 @@ def test_small_batches_other_dtypes_and_autograd_use_f_linear() -> None:
 
 
 @needs_mkl
-def test_a_failing_packed_op_falls_back_for_good(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failing_packed_op_falls_back_for_that_weight(monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(*_args: object) -> torch.Tensor:
         raise RuntimeError("changed signature")
 
@@ -109,10 +109,70 @@ def test_a_failing_packed_op_falls_back_for_good(monkeypatch: pytest.MonkeyPatch
     x = torch.randn(linear.PACK_MIN_ROWS, 24, generator=g)
     assert torch.equal(linear.linear(x, w), F.linear(x, w))  # the pack's check failed: F.linear
     monkeypatch.setattr(linear, "_PACKS", {})
-    # A pack that passed its check, then the op fails.
-    linear._PACKS[id(w)] = linear._Pack(weakref.ref(w), w._version, torch.empty(0))
+    # A pack that passed its check, then the op fails: that weight runs F.linear from then on,
+    # packing stays on for the others.
+    p = linear._Pack(weakref.ref(w), w._version, w.data_ptr(), torch.empty(0))
+    linear._PACKS[id(w)] = p
     assert torch.equal(linear.linear(x, w), F.linear(x, w))
-    assert linear.ENABLED is False
+    assert p.packed is None and linear._PACKS[id(w)] is p
+    assert linear.ENABLED is True
+
+
+@needs_mkl
+@pytest.mark.parametrize("write", ["assign_data", "module_to"])
+def test_a_weight_whose_storage_moves_is_packed_again(write: str) -> None:
+    g = torch.Generator().manual_seed(5)
+    m = torch.nn.Linear(48, 32, bias=False)
+    x = torch.randn(linear.PACK_MIN_ROWS, 48, generator=g)
+    assert torch.equal(linear.linear(x, m.weight), F.linear(x, m.weight))
+    new = torch.randn(32, 48, generator=g)
+    if write == "assign_data":
+        m.weight.data = new  # the version does not move; the storage does
+    else:
+        m.weight.data = new.double()
+        m.float()
+    assert m.weight.dtype == torch.float32
+    assert torch.allclose(linear.linear(x, m.weight), F.linear(x, m.weight), rtol=0, atol=1e-5)
+
+
+@needs_mkl
+def test_clear_drops_packs_after_writes_through_data() -> None:
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(32, 48, generator=g)
+    x = torch.randn(linear.PACK_MIN_ROWS, 48, generator=g)
+    linear.linear(x, w)
+    assert linear._PACKS[id(w)].packed is not None
+    w.data.copy_(torch.randn(32, 48, generator=g))  # moves neither version nor storage
+    linear.clear()
+    assert id(w) not in linear._PACKS
+    assert torch.allclose(linear.linear(x, w), F.linear(x, w), rtol=0, atol=1e-5)
+
+
+@needs_mkl
+def test_packs_made_from_several_threads_keep_the_byte_count() -> None:
+    import threading
+
+    linear.clear()
+    w = torch.randn(64, 64)
+    x = torch.randn(linear.PACK_MIN_ROWS, 64)
+    start = threading.Barrier(4)
+
+    def run() -> None:
+        start.wait()
+        for _ in range(25):
+            with torch.no_grad():
+                w.add_(0.0)  # a new version: the next call packs again
+            linear.linear(x, w)
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert linear._packed_bytes == sum(p.nbytes for p in linear._PACKS.values())
+    assert linear._packed_bytes <= w.numel() * w.element_size()
+    linear.clear()
+    assert linear._packed_bytes == 0
 
 
 @pytest.mark.parametrize("preset", ["tiny", "small", "medium"])
