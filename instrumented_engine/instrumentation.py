@@ -32,6 +32,8 @@ from agent.telemetry import (
 if TYPE_CHECKING:
     from instrumented_engine.tiers.flow import TierFlow
 
+_I32_MAX = 2**31 - 1  # a step's batch size is stored as int32
+
 
 def _engine_status(running: int, waiting: int, preemptions: int, device: tuple[int, int, int],
                    host: tuple[int, int, int] | None, flow: TierFlow | None) -> EngineStatus:
@@ -57,9 +59,9 @@ class EngineInstrumentation:
     """
 
     # Slots: `step_done` reads a handful of these once a step, from a compact object.
-    __slots__ = ("_cpu", "_device_counts", "_host", "_max_rows", "_nvtx", "_phase_ranges",
-                 "_remote", "_remote_metrics", "_remote_ops", "_remote_total", "_rows",
-                 "_step_id", "cpu_clock", "flow", "nvtx", "rec", "timer")
+    __slots__ = ("_cpu", "_device_counts", "_host", "_max_rows", "_nvtx", "_pack",
+                 "_phase_ranges", "_remote", "_remote_metrics", "_remote_ops", "_remote_total",
+                 "_rows", "_step_id", "cpu_clock", "flow", "nvtx", "rec", "timer")
 
     def __init__(self, recorder: Recorder, *, device: str,
                  device_counts: Callable[[], tuple[int, int, int]] | None = None,
@@ -84,6 +86,7 @@ class EngineInstrumentation:
         self._host = flow.host if flow is not None else None
         self._remote = flow.remote if flow is not None else None
         self._rows = recorder.step_rows
+        self._pack = recorder.step_row_pack
         self._max_rows = recorder.max_step_rows
 
     # ------------------------------------------------------------------ steps
@@ -132,8 +135,8 @@ class EngineInstrumentation:
         """Everything a step records, in one call from the engine loop: the rows of
         `Recorder.engine_step` with the pools' counts read here (the device's through
         `device_counts`, the host tier's) and the engine's status built from them when an
-        exporter reads it. The step's facts are appended to `Recorder.step_rows` as one tuple
-        (checked and expanded by the drain: its spans, `forward` (start, end) on the CPU
+        exporter reads it. The step's facts are checked and appended to `Recorder.step_rows` as
+        one packed row (expanded by the drain: its spans, `forward` (start, end) on the CPU
         clock, on CUDA the forward's span comes from the interval timer when its events
         resolve; each pool's occupancy as samples); the remote tier's operation counts that
         changed as pool samples (cumulative, `remote_<op>_<outcome>`, the run store's view of
@@ -152,14 +155,20 @@ class EngineInstrumentation:
                 f0 = f1 = -1
             else:
                 f0, f1 = forward
-            row = (step_id, t0, t1, t2, t3, t4, f0, f1, batch, tokens, d0, d1, d2, h0, h1, h2,
-                   running, waiting, preemptions)
+            if (not -1 <= batch <= _I32_MAX or d0 < 0 or d1 < 0 or d2 < 0
+                    or (host is not None and (h0 < 0 or h1 < 0 or h2 < 0))):
+                raise ValueError("a step's batch size or pool counts out of range")
+            # Every value an int64, checked in C: a bad one raises here, before the store.
+            row = self._pack(step_id, t0, t1, t2, t3, t4, f0, f1, batch, tokens, d0, d1, d2,
+                             h0, h1, h2)
             if len(self._rows) < self._max_rows:
-                self._rows.append(row)  # one store; the drain checks and expands it
+                self._rows.append(row)  # one store; the drain expands it
             else:
                 rec.count_dropped("spans", 3 if forward is None else 4)
                 rec.count_dropped("samples", 3 if host is None else 6)
-            rec.publish_deferred(self._row_status, row)  # built when an exporter reads it
+            # Built when an exporter reads it.
+            rec.publish_deferred(self._row_status, (running, waiting, preemptions, d0, d1, d2,
+                                                    h0, h1, h2))
             remote = self._remote
             # Counts only grow, so their total tells whether any changed (one C-level sum;
             # the counts are copied, under the stats' lock, only then).
@@ -172,11 +181,9 @@ class EngineInstrumentation:
         if not self._cpu:
             self._resolved_forwards()
 
-    def _row_status(self, step_id: int, t0: int, t1: int, t2: int, t3: int, t4: int, f0: int,
-                    f1: int, batch: int, tokens: int, d0: int, d1: int, d2: int, h0: int,
-                    h1: int, h2: int, running: int, waiting: int, preemptions: int
-                    ) -> EngineStatus:
-        """The `EngineStatus` of one `step_done` row."""
+    def _row_status(self, running: int, waiting: int, preemptions: int, d0: int, d1: int,
+                    d2: int, h0: int, h1: int, h2: int) -> EngineStatus:
+        """The `EngineStatus` of one `step_done` step."""
         return _engine_status(running, waiting, preemptions, (d0, d1, d2),
                               None if self._host is None else (h0, h1, h2), self.flow)
 

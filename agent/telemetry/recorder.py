@@ -20,10 +20,8 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from array import array
 from collections import deque
 from dataclasses import dataclass, field
-from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -36,7 +34,7 @@ from agent.telemetry.accounting import RequestAccounting
 from agent.telemetry.annotate import NvtxAnnotator
 from agent.telemetry.buffers import Chunk, MatrixBlock, SegmentedTable, pop_all
 from agent.telemetry.codes import CLOCK_CPU, CLOCK_CUDA, I32_MAX, TIER_CODE
-from agent.telemetry.records import OtherRecords
+from agent.telemetry.records import STEP_ROW, OtherRecords
 from agent.telemetry.states import RequestStates, _Open
 from agent.telemetry.status import EngineStatus
 
@@ -133,11 +131,12 @@ class Recorder(RequestStates, OtherRecords):
                                    row_major=True)
         self._step = SegmentedTable("spans", _STEP_COLS, segment_rows, max_segments)
         #: One row per engine step (`engine_step`, or the engine loop's own append through
-        #: `EngineInstrumentation.step_done`): `tables.ENGINE_STEP_COLS`, then the step's
-        #: running, waiting and preemptions (-1: not given). Plain tuples, checked as int64s
-        #: and expanded into spans and pool samples by the drain (`_take_steps`); a row that
-        #: fails the check is counted there (`recording_errors`) and records nothing.
-        self.step_rows: deque[tuple[Any, ...]] = deque()
+        #: `EngineInstrumentation.step_done`): `tables.ENGINE_STEP_COLS` as int64s packed by
+        #: `step_row_pack` (checked when packed: a bad value raises there, before the store),
+        #: expanded into spans and pool samples by the drain (`_take_steps`).
+        self.step_rows: deque[bytes] = deque()
+        #: Packs one `step_rows` row (a C call; raises on a value that is not an int64).
+        self.step_row_pack = STEP_ROW.pack
         # As many rows as a segmented table holds before it drops (its segments + the active).
         self.max_step_rows = segment_rows * (max_segments + 1)
         self._layers = SegmentedTable("layers", _LAYER_COLS, segment_rows, max_segments,
@@ -337,40 +336,46 @@ class Recorder(RequestStates, OtherRecords):
 
     def _take_steps(self) -> list[Chunk]:
         """(Drain) the queued engine step rows as one chunk of `tables.ENGINE_STEP_COLS`
-        columns; rows that are not all int64s, or break `engine_step`'s rules (batch within
-        int32, pool counts >= 0, the host's all -1 or all >= 0), are counted as recording
-        errors and left out."""
+        columns. Rows come packed and checked (`engine_step`, `step_done`); anything else
+        found in `step_rows` (not a packed row, or breaking `engine_step`'s rules: batch
+        within int32, pool counts >= 0, the host's all -1 or all >= 0) is counted as a
+        recording error and left out."""
         raw = pop_all(self.step_rows)
         if not raw:
             return []
-        width = len(tables.ENGINE_STEP_COLS)
+        size = STEP_ROW.size
         try:
-            if set(map(len, raw)) != {_STEP_ROW_LEN}:
-                raise ValueError("a step row of the wrong length")
-            flat = array("q", chain.from_iterable(raw))  # one C pass checks every value
-        except (TypeError, ValueError, OverflowError):
-            good = []
-            for row in raw:
-                try:
-                    if len(row) != _STEP_ROW_LEN:
-                        raise ValueError("a step row of the wrong length")
-                    good.append(array("q", row))
-                except (TypeError, ValueError, OverflowError):
-                    self._error()
+            if set(map(type, raw)) != {bytes} or set(map(len, raw)) != {size}:
+                raise ValueError("a step row of another type or size")
+            buf = b"".join(raw)
+        except Exception:
+            good = [r for r in raw if type(r) is bytes and len(r) == size]
+            self._count_bad_rows(len(raw) - len(good))
             if not good:
                 return []
-            flat = array("q", chain.from_iterable(good))
-        m = np.frombuffer(flat, dtype=np.int64).reshape(-1, _STEP_ROW_LEN)[:, :width]
+            buf = b"".join(good)
+        m = np.frombuffer(buf, dtype=np.int64).reshape(-1, len(tables.ENGINE_STEP_COLS))
         batch, dev, host = m[:, 8], m[:, 10:13], m[:, 13:16]
         ok = ((batch >= -1) & (batch <= I32_MAX) & (dev >= 0).all(axis=1)
               & ((host == -1).all(axis=1) | (host >= 0).all(axis=1)))
         if not ok.all():
-            for _ in range(int((~ok).sum())):
-                self._error()
+            self._count_bad_rows(int((~ok).sum()))
             m = m[ok]
             if not len(m):
                 return []
-        return [(MatrixBlock(np.ascontiguousarray(m)), 0, len(m))]
+        return [(MatrixBlock(np.array(m)), 0, len(m))]
+
+    def _count_bad_rows(self, n: int) -> None:
+        """(Drain) count `n` malformed `step_rows` entries as recording errors (logged once,
+        as `_error` logs, without a traceback: nothing raised)."""
+        if n <= 0:
+            return
+        with self._stats_lock:
+            first = self.stats.recording_errors == 0
+            self.stats.recording_errors += n
+        if first:
+            log.warning("kvscope telemetry: %d malformed engine step row(s) dropped by the "
+                        "drain; counting further failures", n)
 
     def _build(self, table: str, n: int, fn: Any, *args: Any) -> pa.Table | None:
         try:
@@ -386,9 +391,6 @@ class Recorder(RequestStates, OtherRecords):
         self._retire_next = retired_now
         for _ in range(len(self._forgettable) - self._retain_ids):
             self._ids.pop(self._forgettable.popleft(), None)
-
-
-_STEP_ROW_LEN = len(tables.ENGINE_STEP_COLS) + 3
 
 
 def _rows(chunks: list[Chunk]) -> int:

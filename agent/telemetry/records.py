@@ -28,9 +28,9 @@ from agent.telemetry.codes import (
 
 _index = operator.index
 _get_ident = threading.get_ident
-#: A queued engine step row (`Recorder.step_rows`): `tables.ENGINE_STEP_COLS`, then the
-#: step's running, waiting and preemptions (-1 when not given), as int64s.
-_STEP_ROW = struct.Struct("19q")
+#: A queued engine step row (`Recorder.step_rows`): the `tables.ENGINE_STEP_COLS` values
+#: packed as native int64s (the pack checks every value in C when the step is recorded).
+STEP_ROW = struct.Struct("16q")
 
 
 class OtherRecords:
@@ -48,7 +48,7 @@ class OtherRecords:
     _max_rows: int
     _clock: Any
     _pub: Any
-    step_rows: deque[tuple[Any, ...]]
+    step_rows: deque[bytes]
     max_step_rows: int
     nvtx: Any
 
@@ -406,9 +406,9 @@ class OtherRecords:
                 self._engine_step_foreign(step_id, t0, t1, t2, t3, t4, forward,
                                           batch_requests, tokens, device, host)
             else:
-                row = (step_id, t0, t1, t2, t3, t4, f0, f1, batch_requests, tokens, d0, d1, d2,
-                       h0, h1, h2, -1, -1, -1)
-                _STEP_ROW.pack(*row)  # every value an int64, checked in C before the store
+                # Every value an int64, checked in C before the store.
+                row = STEP_ROW.pack(step_id, t0, t1, t2, t3, t4, f0, f1, batch_requests, tokens,
+                                    d0, d1, d2, h0, h1, h2)
                 q = self.step_rows
                 if len(q) >= self.max_step_rows:
                     self._drop("spans", 3 if forward is None else 4)

@@ -1,8 +1,9 @@
-"""The engine loop's step record (`EngineInstrumentation.step_done`: one tuple appended to
-`Recorder.step_rows`, checked and expanded by the drain) records exactly what the general
-`Recorder.engine_step` records for the same step; rows that fail the drain's check are counted
-and left out; the drain's shared-encoder JSON and sliced integer columns equal what they stand
-for."""
+"""The engine loop's step record (`EngineInstrumentation.step_done`: one packed row appended
+to `Recorder.step_rows`, checked when recorded and expanded by the drain) records exactly what
+the general `Recorder.engine_step` records for the same step, and what the step's values are;
+a bad step is counted when recorded and records nothing; anything else found in `step_rows` is
+counted by the drain and left out; the drain's shared-encoder JSON and sliced integer columns
+equal what they stand for."""
 
 from __future__ import annotations
 
@@ -148,28 +149,107 @@ def test_step_done_counts_a_full_queue_as_engine_step_does() -> None:
     _equal(a, b)
 
 
+def _wall(t: int) -> int:
+    return ANCHOR.wall_ns + t - ANCHOR.mono_ns
+
+
+def test_a_drained_step_holds_the_steps_values() -> None:
+    """Checked against the step's own values (not against `engine_step`, which shares the
+    drain with `step_done`)."""
+    rec = make()
+    ei = EngineInstrumentation(rec, device="cpu", device_counts=lambda: (4, 5, 6),
+                               flow=_Flow(True, False))  # type: ignore[arg-type]
+    ei.step_done(7, 100, 101, 102, 103, 104, (102, 103), 3, 30, 1, 0, 0, 0)
+    t = rec.drain()
+    spans = t["spans"].to_pylist()
+    assert [(r["kind"], r["name"], r["start_ns"], r["end_ns"], r["step_id"],
+             r["batch_requests"], r["tokens"], r["clock"]) for r in spans] == [
+        ("step", "schedule", _wall(100), _wall(101), 7, 3, 30, "cpu"),
+        ("step", "prepare", _wall(101), _wall(102), 7, 3, 30, "cpu"),
+        ("step", "sample", _wall(103), _wall(104), 7, 3, 30, "cpu"),
+        ("step", "forward", _wall(102), _wall(103), 7, 3, 30, "cpu")]
+    samples = t["samples"].to_pylist()
+    assert [(r["ts_ns"], r["source"], r["entity"], r["metric"], r["value"], r["unit"])
+            for r in samples] == [
+        (_wall(104), "pool", tier, metric, float(v), "blocks")
+        for tier, counts in (("device", (4, 5, 6)), ("host", (1, 2, 3)))
+        for metric, v in zip(("in_use", "cached_free", "empty"), counts, strict=True)]
+    assert rec.stats.recording_errors == 0
+
+
+_GOOD = (2, 20, 21, 22, 23, 24, (22, 23), 1, 1, 4, 5, 6, 0)
+
+
 @pytest.mark.parametrize("bad", [
-    (1, 10, 11, 12, "x", 14, -1, -1, 1, 1, 1, 1, 1, -1, -1, -1, 0, 0, 0),  # not an int
-    (1, 10, 11, 12, 13, 14, -1, -1, 1, 1, -1, 1, 1, -1, -1, -1, 0, 0, 0),  # device < 0
-    (1, 10, 11, 12, 13, 14, -1, -1, 1, 1, 1, 1, 1, 0, -1, 0, 0, 0, 0),  # host half -1
-    (1, 10, 11, 12, 13, 14, -1, -1, 2**31, 1, 1, 1, 1, -1, -1, -1, 0, 0, 0),  # batch > i32
-    (1, 10, 11, 12, 13, 14, -1, -1, 1, 1, 1, 1, 1, -1, -1, -1),  # too short
-    (2, 20, 21, 22, 23, 24, 22, 23, 1, 1, 1, 1, 1, -1, -1, -1, 0, 0, 0, 9, 9, 9),  # too long
-    None,  # not a row
-    (1, 10, 11, 12, 13.0, 14, -1, -1, 1, 1, 1, 1, 1, -1, -1, -1, 0, 0, 0),  # a float
-    (1, 10, 11, 12, 13, 2**63, -1, -1, 1, 1, 1, 1, 1, -1, -1, -1, 0, 0, 0),  # not int64
+    {"t": "x"}, {"t": 13.0}, {"t": 2**63}, {"batch": 2**31}, {"batch": -2},
+    {"device": (1, -1, 1)}, {"host": (0, -1, 0)}, {"host": (-1, -1, -1)},
+    {"device": (1, 1.5, 1)}, {"forward": (1, None)},
 ])
-def test_a_bad_step_row_is_counted_by_the_drain_and_records_nothing(bad: Any) -> None:
+def test_a_bad_step_is_counted_when_recorded_and_records_nothing(bad: dict[str, Any]) -> None:
     a, b = make(), make()
-    good = (2, 20, 21, 22, 23, 24, 22, 23, 1, 1, 1, 1, 1, -1, -1, -1, 0, 0, 0)
-    a.step_rows.extend([bad, good])
+    device = [(1, 1, 1)]
+    flow = _Flow(True, False)
+    ei = EngineInstrumentation(a, device="cpu", device_counts=lambda: device[0],
+                               flow=flow)  # type: ignore[arg-type]
+    ref = EngineInstrumentation(b, device="cpu", device_counts=lambda: (1, 1, 1),
+                                flow=_Flow(True, False))  # type: ignore[arg-type]
+    ei.step_done(*_GOOD)
+    ref.step_done(*_GOOD)
+    before = a.status
+    args = [3, 30, 31, 32, 33, 34, (32, 33), 1, 1, 0, 0, 0, 0]
+    if "t" in bad:
+        args[4] = bad["t"]
+    if "batch" in bad:
+        args[7] = bad["batch"]
+    if "forward" in bad:
+        args[6] = bad["forward"]
+    if "device" in bad:
+        device[0] = bad["device"]
+    if "host" in bad:
+        assert flow.host is not None
+        flow.host.counts = bad["host"]
+    ei.step_done(*args)  # type: ignore[arg-type]
+    assert a.stats.recording_errors == 1  # counted at the call, not at the next drain
+    assert a.status == before  # the last good step's status stays published
+    assert len(a.step_rows) == 1
+    ta, tb = a.drain(), b.drain()
+    assert ta.keys() == tb.keys()
+    for k in ta:
+        assert ta[k].equals(tb[k]), k
+    assert a.stats.rows == b.stats.rows and a.stats.recording_errors == 1
+
+
+def test_a_bad_status_value_keeps_the_steps_rows() -> None:
+    """running / waiting / preemptions only reach the status: a value there the tables would
+    refuse does not cost the step its spans and samples."""
+    a, b = make(), make()
+    ea = EngineInstrumentation(a, device="cpu", device_counts=lambda: (1, 2, 3))
+    eb = EngineInstrumentation(b, device="cpu", device_counts=lambda: (1, 2, 3))
+    ea.step_done(0, 10, 11, 12, 13, 14, (12, 13), 1, 5, 1, 0, 1.5, 0)  # type: ignore[arg-type]
+    eb.step_done(0, 10, 11, 12, 13, 14, (12, 13), 1, 5, 1, 0, 1, 0)
+    assert a.stats.recording_errors == 0
+    _equal(a, b)
+
+
+@pytest.mark.parametrize("junk", [b"short", None, (1, 2, 3), b"x" * 129, bytearray(128)])
+def test_junk_in_step_rows_is_counted_by_the_drain(junk: Any) -> None:
+    a, b = make(), make()
+    a.engine_step(2, 20, 21, 22, 23, 24, (22, 23), 1, 1, (1, 1, 1))
+    a.step_rows.append(junk)
     b.engine_step(2, 20, 21, 22, 23, 24, (22, 23), 1, 1, (1, 1, 1))
     ta, tb = a.drain(), b.drain()
     assert a.stats.recording_errors == 1
     for k in tb:
         assert ta[k].equals(tb[k]), k
-    a.step_rows.append(bad)
+    a.step_rows.append(junk)
     assert a.drain() == {} and a.stats.recording_errors == 2
+
+
+def test_a_packed_row_breaking_the_rules_is_counted_by_the_drain() -> None:
+    a = make()
+    a.step_rows.append(a.step_row_pack(1, 10, 11, 12, 13, 14, -1, -1, 1, 1, -1, 1, 1,
+                                       -1, -1, -1))  # device count < 0
+    assert a.drain() == {} and a.stats.recording_errors == 1
 
 
 def test_engine_step_accepts_what_it_accepted() -> None:
