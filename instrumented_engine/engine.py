@@ -295,11 +295,10 @@ class LLMEngine:
         tel = self.tel
         clock = self.clock
         self.stats.steps += 1
-        # Phase ranges (NVTX push/pop, profiler ranges) only when something receives them
-        # (`EngineInstrumentation.ranges`, read here without its call); everything else the
-        # step records is one call at its end (`step_done`).
-        ranges = tel is not None and (tel.nvtx or bool(tel.rec.annotators))
-        step_id = self.stats.steps - 1  # `EngineInstrumentation.next_step`'s numbering
+        # Phase ranges (NVTX push/pop, profiler ranges) only when something receives them;
+        # everything else the step records is one call at its end (`step_done`).
+        ranges = tel is not None and tel.ranges()
+        step_id = self.stats.steps - 1  # steps numbered from 0
         t0 = clock()
         if ranges:
             tel.phase("schedule", step_id)
@@ -324,7 +323,7 @@ class LLMEngine:
         t2 = clock()
         if ranges:
             tel.phase("forward", step_id)
-        if tel and not tel.cpu_clock:  # CUDA events, resolved in a later step
+        if tel and not tel.cpu:  # CUDA events, resolved in a later step
             mark = tel.begin_forward()
             logits = self.runner.forward(inp, layer_ready=layer_ready)
             tel.end_forward(mark, step_id, batch, tokens)

@@ -59,16 +59,15 @@ class EngineInstrumentation:
     """
 
     # Slots: `step_done` reads a handful of these once a step, from a compact object.
-    __slots__ = ("_cpu", "_device_counts", "_host", "_max_rows", "_nvtx", "_pack",
-                 "_phase_ranges", "_remote", "_remote_metrics", "_remote_ops", "_remote_total",
-                 "_rows", "_step_id", "cpu_clock", "flow", "nvtx", "rec", "timer")
+    __slots__ = ("_device_counts", "_host", "_max_rows", "_pack", "_phase_ranges", "_remote",
+                 "_remote_metrics", "_remote_ops", "_remote_total", "_rows", "cpu", "flow",
+                 "nvtx", "rec", "timer")
 
     def __init__(self, recorder: Recorder, *, device: str,
                  device_counts: Callable[[], tuple[int, int, int]] | None = None,
                  flow: TierFlow | None = None) -> None:
         self.rec = recorder
         self.timer = IntervalTimer(device, monotonic=recorder.now)
-        self._step_id = -1
         self._phase_ranges: list[int] = []
         self._remote_ops: dict[tuple[str, str], int] = {}
         self._remote_total = 0  # the sum of `_remote_ops`' counts
@@ -76,10 +75,9 @@ class EngineInstrumentation:
         #: Whether the recorder makes NVTX calls at all (fixed when it was built): without a
         #: tool attached the phase push/pop would be calls that record nothing.
         self.nvtx = recorder.nvtx is not None and recorder.nvtx.real
-        self._nvtx = self.nvtx
-        self._cpu = not self.timer.is_cuda
-        #: `cpu`, as a plain attribute (the engine reads it once a step).
-        self.cpu_clock = self._cpu
+        #: Whether the forward is timed on the CPU clock (then the engine reads its start and
+        #: end itself and passes them to `step_done`; on CUDA `begin_forward`/`end_forward`).
+        self.cpu = not self.timer.is_cuda
         #: The device pool's (in_use, cached_free, empty) now (`step_done` reads it).
         self._device_counts = device_counts
         self.flow = flow
@@ -90,37 +88,27 @@ class EngineInstrumentation:
         self._max_rows = recorder.max_step_rows
 
     # ------------------------------------------------------------------ steps
-    def next_step(self) -> int:
-        self._step_id += 1
-        return self._step_id
-
     def ranges(self) -> bool:
         """Whether step phases make range calls (an NVTX tool attached, or annotators such
         as the torch profiler's under --profile); without them `phase` records nothing."""
-        return self._nvtx or bool(self.rec.annotators)
+        return self.nvtx or bool(self.rec.annotators)
 
     def phase(self, name: str, step_id: int) -> None:
         """Enter a step phase (NVTX push; a profiler range too under --profile)."""
         rec = self.rec
-        if self._nvtx:
+        if self.nvtx:
             rec.push_phase(name, step_id)
         if rec.annotators:
             self._phase_ranges = [ann.start(name, step_id) for ann in rec.annotators]
 
     def phase_end(self) -> None:
         rec = self.rec
-        if self._nvtx:
+        if self.nvtx:
             rec.pop_phase()
         if self._phase_ranges:
             for ann, rid in zip(rec.annotators, self._phase_ranges, strict=False):
                 ann.end(rid)
             self._phase_ranges = []
-
-    @property
-    def cpu(self) -> bool:
-        """Whether the forward is timed on the CPU clock (then the engine reads its start and
-        end itself and passes them to `step_done`; on CUDA `begin_forward`/`end_forward`)."""
-        return self._cpu
 
     def begin_forward(self) -> Mark:
         return self.timer.begin()
@@ -178,7 +166,7 @@ class EngineInstrumentation:
             rec.count_error()
         if evicted:
             rec.event("eviction", t=t4, detail={"tier": "device", "blocks": evicted})
-        if not self._cpu:
+        if not self.cpu:
             self._resolved_forwards()
 
     def _row_status(self, running: int, waiting: int, preemptions: int, d0: int, d1: int,

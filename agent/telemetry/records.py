@@ -161,21 +161,25 @@ class OtherRecords:
         """
         try:
             t = self._clock() if t is None else _index(t)
-            # The row's checks inline (one call per row to `_put_activity`, not a row builder
-            # as well).
-            code = self._names.get(name)
-            if code is None:
-                code = self.intern(name)
-            tcode = -1 if tier is None else TIER_CODE[tier]
-            if not -1 <= block <= I32_MAX:
-                raise ValueError(f"block out of range: {block}")
-            if not -1 <= layer <= I32_MAX:
-                raise ValueError(f"layer out of range: {layer}")
-            row = (request_num, code, t, t, tcode, layer, tokens, nbytes, transfer_id,
-                   CLOCK_CPU, KIND_LEDGER, block)
-            self._put_activity(row, request_num)
+            self._put_activity(self._ledger_row(name, request_num, t, tier, tokens, nbytes,
+                                                block, transfer_id, layer), request_num)
         except Exception:
             self._error()
+
+    def _ledger_row(self, name: str, rn: int, t: int, tier: str | None, tokens: int,
+                    nbytes: int, block: int, transfer_id: int, layer: int) -> tuple[int, ...]:
+        """The activity-buffer row (`_ACT_COLS`) of one ledger row at `t`; raises on a bad
+        value."""
+        code = self._names.get(name)
+        if code is None:
+            code = self.intern(name)
+        tcode = -1 if tier is None else TIER_CODE[tier]
+        if not -1 <= block <= I32_MAX:
+            raise ValueError(f"block out of range: {block}")
+        if not -1 <= layer <= I32_MAX:
+            raise ValueError(f"layer out of range: {layer}")
+        return (rn, code, t, t, tcode, layer, tokens, nbytes, transfer_id, CLOCK_CPU,
+                KIND_LEDGER, block)
 
     def ledgers(self, rows: Sequence[tuple[str, int, int | None, str | None, int, int, int, int,
                                             int]]) -> None:
@@ -194,8 +198,7 @@ class OtherRecords:
             pack, buf, size = seg.pack, seg.buf, seg.row_bytes
             at = i * size
             packed = []
-            names = self._names
-            # `_ledger_row` inlined: the same checks, one call for all the rows.
+            ledger_row = self._ledger_row
             for name, rn, t, tier, tokens, nbytes, block, transfer_id, layer in rows:
                 if t is None:
                     if t_now < 0:
@@ -203,16 +206,7 @@ class OtherRecords:
                     t = t_now
                 else:
                     t = _index(t)
-                code = names.get(name)
-                if code is None:
-                    code = self.intern(name)
-                tcode = -1 if tier is None else TIER_CODE[tier]
-                if not -1 <= block <= I32_MAX:
-                    raise ValueError(f"block out of range: {block}")
-                if not -1 <= layer <= I32_MAX:
-                    raise ValueError(f"layer out of range: {layer}")
-                row = (rn, code, t, t, tcode, layer, tokens, nbytes, transfer_id, CLOCK_CPU,
-                       KIND_LEDGER, block)
+                row = ledger_row(name, rn, t, tier, tokens, nbytes, block, transfer_id, layer)
                 if fast:
                     pack(buf, at, *row)  # a bad value raises before any row is published
                     at += size

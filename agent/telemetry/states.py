@@ -125,7 +125,7 @@ class RequestStates:
             if t < start:
                 t = start
                 self.stats.clock_regressions += 1  # owner thread only: no race
-            # NOTE: request_end makes the same write (inline there too, to save a call).
+            # NOTE: `_write_state` (request_end's) is the same write, inline here: `stage` is hot.
             seg = self._state.active
             i = seg.n
             if i == seg.cap:
@@ -161,6 +161,26 @@ class RequestStates:
                 self._annotate(op, STATES[state], rn)
         except Exception:
             self._error()
+
+    def _write_state(self, op: _Open, rn: int, t: int) -> None:
+        """(Owner) close `op`'s current state at `t` (>= op.start): the row of `stage()`."""
+        tbl = self._state
+        seg = tbl.active
+        i = seg.n
+        if i == seg.cap:
+            seg = tbl.rotate()
+            i = 0
+        if seg is None:
+            self._drop("spans")
+        else:
+            seg.pack(seg.buf, i * seg.row_bytes, rn, op.state, op.start, t)
+            if op.waits is not None:
+                if seg.waits is None:
+                    seg.waits = {}
+                seg.waits[i] = tuple(op.waits)
+            seg.n = i + 1
+        op.waits = None
+        op.start = t
 
     def _annotate(self, op: _Open, name: str, rn: int) -> None:
         for ann, rid in zip(self.annotators, op.extra or (), strict=False):
@@ -239,24 +259,7 @@ class RequestStates:
             if t < op.start:
                 t = op.start
                 self.stats.clock_regressions += 1
-            # `_write_state` inlined (the request's last state span).
-            tbl = self._state
-            seg = tbl.active
-            i = seg.n
-            if i == seg.cap:
-                seg = tbl.rotate()
-                i = 0
-            if seg is None:
-                self._drop("spans")
-            else:
-                seg.pack(seg.buf, i * seg.row_bytes, rn, op.state, op.start, t)
-                if op.waits is not None:
-                    if seg.waits is None:
-                        seg.waits = {}
-                    seg.waits[i] = tuple(op.waits)
-                seg.n = i + 1
-            op.waits = None
-            op.start = t
+            self._write_state(op, rn, t)  # the request's last state span
             del self._open[rn]
             if len(self._requests) < self._max_rows:
                 self._requests.append(
