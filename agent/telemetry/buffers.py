@@ -65,25 +65,30 @@ class Segment:
 
 
 class RowBlock:
-    """Rows recorded by threads other than a table's writer, packed column-major at drain time.
+    """Rows recorded by threads other than a table's writer, packed at drain time.
 
     Duck-types the part of `Segment` that drained chunks use (`view`, `rows`, `waits`).
     """
 
-    __slots__ = ("cols", "waits")
+    __slots__ = ("m", "waits")
 
     def __init__(self, rows: list[array], ncols: int) -> None:
-        # Each row is an array('q') validated when it was recorded; one join + transpose packs
-        # them without a per-value Python loop.
-        m = np.frombuffer(b"".join(rows), dtype=np.int64).reshape(len(rows), ncols)
-        self.cols = np.ascontiguousarray(m.T)
+        # Each row is an array('q') validated when it was recorded; one join packs them into
+        # a (rows, columns) matrix without a per-value Python loop (row-major, as the drain
+        # reads them: `rows` is a view).
+        self.m = np.frombuffer(b"".join(rows), dtype=np.int64).reshape(len(rows), ncols)
         self.waits: dict[int, tuple[int, ...]] | None = None
 
+    @property
+    def cols(self) -> np.ndarray:
+        """The rows as a (columns, rows) matrix."""
+        return self.m.T
+
     def view(self, i: int, lo: int, hi: int) -> np.ndarray:
-        return self.cols[i, lo:hi]
+        return self.m[lo:hi, i]
 
     def rows(self, lo: int, hi: int) -> np.ndarray:
-        return self.cols[:, lo:hi].T
+        return self.m[lo:hi]
 
 
 class MatrixBlock:
@@ -167,11 +172,11 @@ class SegmentedTable:
             seg.drained = hi
         foreign = pop_all(self.foreign)
         if foreign:
-            for _, rn, rid in foreign:
-                if rid is not None:
-                    late_ids[rn] = rid
-            out.append((RowBlock([row for row, _, _ in foreign], len(self.cols)), 0,
-                        len(foreign)))
+            rows, rns, rids = zip(*foreign, strict=True)
+            # rn → rid of the rows that resolved one (the last one of a number wins, as a
+            # loop storing each would leave it).
+            late_ids.update(pair for pair in zip(rns, rids, strict=True) if pair[1] is not None)
+            out.append((RowBlock(list(rows), len(self.cols)), 0, len(foreign)))
         return out
 
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import operator
+import struct
 from array import array
 from collections.abc import Sequence
 from functools import lru_cache
-from itertools import chain, repeat
+from itertools import chain, repeat, starmap
 from typing import Any, Protocol
 
 import numpy as np
@@ -52,6 +53,7 @@ _STR = pa.string()
 _F64 = pa.float64()
 _LIST_I64 = pa.list_(_I64)
 _I64_MIN, _I64_MAX = -(2 ** 63), 2 ** 63 - 1
+_I32_MAX = 2 ** 31 - 1
 
 
 def _decode(codes: np.ndarray, vocab: pa.Array) -> pa.Array:
@@ -185,8 +187,10 @@ def list_i64_array(values: Sequence[Sequence[int] | None]) -> pa.Array:
 
 
 def request_ids(nums: np.ndarray, ids: IdLookup) -> pa.Array:
-    """The request_id of every row (null for negative or unknown numbers), one lookup per
-    distinct number."""
+    """The request_id of every row (null for negative or unknown numbers): one lookup per
+    distinct number, or per row when there are few rows."""
+    if len(nums) <= 256:  # a few rows (a drain's layer rows): one lookup per row costs less
+        return str_column(list(map(ids.get, nums.tolist())))
     codes, words = _request_words(nums, ids)
     return _decode(codes, str_array(words))
 
@@ -197,9 +201,12 @@ def _block(chunks: list[Chunk], ncols: int) -> np.ndarray:
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-#: The spans table's integer and code columns, in the drain's working matrix.
-_RN, _KIND, _NAME, _START, _END, _TIER, _LAYER, _TOKENS, _BYTES, _STEP, _TRANSFER, _CLOCK, \
-    _BATCH, _BLOCKCOL = range(14)
+#: The rows of the drain's working matrix of the spans table: the string columns' codes first
+#: (the request id's filled last), then the int64 columns, then the int32 ones, so that each
+#: group is one slice.
+_RID, _KIND, _NAME, _TIER, _CLOCK, _RN, _START, _END, _TOKENS, _BYTES, _STEP, _TRANSFER, \
+    _LAYER, _BATCH, _BLOCKCOL = range(15)
+_NROWS = 15
 #: `kind` codes of the working matrix: state rows, activity buffer kinds (KIND_* + 1), steps.
 _SPAN_KINDS = ("state", "activity", "ledger", "step")
 #: Where an activity-buffer row's columns go (its column order: `Recorder._act`).
@@ -216,19 +223,25 @@ def spans_table(state: list[Chunk], act: list[Chunk], step: list[Chunk], steps: 
     phases in `_STEP_ORDER`), then those recorded one by one (`step`)."""
     srows = _block(state, 4) if state else None
     arows = _block(act, len(_ACT_TO)) if act else None
-    trows = _step_rows(steps, names) if steps else None
-    if step:
-        legacy = _block(step, len(_STEP_TO))
-        trows = legacy if trows is None else np.concatenate([trows, legacy])
+    e = _block(steps, len(ENGINE_STEP_COLS)) if steps else None
+    legacy = _block(step, len(_STEP_TO)) if step else None
     ns = 0 if srows is None else len(srows)
     na = 0 if arows is None else len(arows)
-    n = ns + na + (0 if trows is None else len(trows))
-    cols = np.full((14, n), -1, dtype=np.int64)  # one row per column (column-major)
+    phases = 0
+    if e is not None:
+        has_fwd = (e[:, 6] != -1) | (e[:, 7] != -1)
+        phases = 4 if has_fwd.all() else 3 if not has_fwd.any() else -1
+        nt = len(e) * phases if phases > 0 else len(e) * 3 + int(has_fwd.sum())
+    else:
+        nt = 0
+    nl = 0 if legacy is None else len(legacy)
+    n = ns + na + nt + nl
+    cols = np.full((_NROWS, n), -1, dtype=np.int64)  # one row per column (column-major)
     if srows is not None:
         part = cols[:, :ns]
         part[_RN] = srows[:, 0]
         # State codes are STATES' indices; the names vocabulary starts with them.
-        part[_NAME] = np.array([names.index(s) for s in STATES], dtype=np.int64)[srows[:, 1]]
+        part[_NAME] = _state_names(tuple(names))[srows[:, 1]]
         part[_START:_END + 1] = srows[:, 2:4].T
         part[_KIND] = 0
         part[_CLOCK] = 0  # CLOCKS[0], "cpu"
@@ -236,40 +249,68 @@ def spans_table(state: list[Chunk], act: list[Chunk], step: list[Chunk], steps: 
         part = cols[:, ns:ns + na]
         part[_ACT_TO] = arows.T
         part[_KIND] += 1
-    if trows is not None:
-        part = cols[:, ns + na:]
-        part[_STEP_TO] = trows.T
+    if e is not None:
+        part = cols[:, ns + na:ns + na + nt]
+        codes = _phase_names(tuple(names))
+        if phases > 0:  # every step has the same phases: per column a (steps, phases) view
+            shape = (len(e), phases)
+            part[_STEP].reshape(shape)[:] = e[:, 0:1]
+            part[_NAME].reshape(shape)[:] = codes[:phases]
+            part[_START].reshape(shape)[:] = e[:, _PHASE_START[:phases]]
+            part[_END].reshape(shape)[:] = e[:, _PHASE_END[:phases]]
+            part[_BATCH].reshape(shape)[:] = e[:, 8:9]
+            part[_TOKENS].reshape(shape)[:] = e[:, 9:10]
+        else:
+            part[_STEP_TO] = _step_rows(steps, names).T
+        part[_CLOCK] = 0  # CLOCK_CPU: resolved already
+        part[_KIND] = 3
+    if legacy is not None:
+        part = cols[:, n - nl:]
+        part[_STEP_TO] = legacy.T
         part[_KIND] = 3
     cols[_START:_END + 1] += off
     # The string columns, gathered at once from one vocabulary: request ids, kinds, span
     # names, tiers, clocks.
     rid, rid_words = _request_words(cols[_RN], ids)
+    cols[_RID] = rid
     fixed = _fixed_words(tuple(names))
     vocab = str_array([*fixed, *rid_words])  # not valid UTF-8: raises, as before
     request_id, kind, name, tier, clock = _strings(
-        np.stack([rid, cols[_KIND], cols[_NAME], cols[_TIER], cols[_CLOCK]]),
+        cols[_RID:_CLOCK + 1],
         [len(fixed), 0, len(_SPAN_KINDS), len(_SPAN_KINDS) + len(names),
          len(_SPAN_KINDS) + len(names) + len(TIERS)], vocab)
-    valid = cols >= 0  # -1 (any negative) is null in every nullable column but step_id
-    valid[_STEP, :ns + na] = False
-    valid[_STEP, ns + na:] = True
-    valid[_START:_END + 1] = True  # never null
+    nums = cols[_RN:]
+    valid = nums >= 0  # -1 (any negative) is null in every nullable column but step_id
+    valid[_STEP - _RN, :ns + na] = False
+    valid[_STEP - _RN, ns + na:] = True
+    valid[_START - _RN:_END - _RN + 1] = True  # never null
     bitmaps, nulls = _bitmaps(valid)
 
     def ints(type_: pa.DataType, values: np.ndarray, j: int) -> pa.Array:
-        return pa.Array.from_buffers(type_, n, [bitmaps[j], pa.py_buffer(values)],
-                                     null_count=nulls[j])
+        return pa.Array.from_buffers(type_, n, [bitmaps[j - _RN], pa.py_buffer(values)],
+                                     null_count=nulls[j - _RN])
 
-    rn, tokens, nbytes, step_id, transfer, start, end = (
-        ints(_I64, cols[j], j) for j in (_RN, _TOKENS, _BYTES, _STEP, _TRANSFER, _START, _END))
-    i32 = cols[[_LAYER, _BATCH, _BLOCKCOL]].astype(np.int32)
-    layer, batch, block = (ints(_I32, i32[i], j)
-                           for i, j in enumerate((_LAYER, _BATCH, _BLOCKCOL)))
+    rn, start, end, tokens, nbytes, step_id, transfer = (
+        ints(_I64, cols[j], j) for j in range(_RN, _TRANSFER + 1))
+    i32 = cols[_LAYER:].astype(np.int32)
+    layer, batch, block = (ints(_I32, i32[j - _LAYER], j) for j in range(_LAYER, _NROWS))
     waits = _waits_column(state, n) if state else None
     return pa.Table.from_arrays([
         request_id, rn, kind, name, start, end, tier, layer, tokens, nbytes, step_id, transfer,
         pa.nulls(n, _LIST_I64) if waits is None else waits,
         clock, batch, block], schema=SPANS_SCHEMA)
+
+
+@lru_cache(maxsize=64)
+def _state_names(names: tuple[str, ...]) -> np.ndarray:
+    """State code → its name's code in `names`."""
+    return np.array([names.index(s) for s in STATES], dtype=np.int64)
+
+
+@lru_cache(maxsize=64)
+def _phase_names(names: tuple[str, ...]) -> np.ndarray:
+    """The codes of `_STEP_ORDER`'s phases in `names`."""
+    return np.array([names.index(p) for p in _STEP_ORDER], dtype=np.int64)
 
 
 def _waits_column(state: list[Chunk], n: int) -> pa.Array | None:
@@ -290,18 +331,20 @@ def _waits_column(state: list[Chunk], n: int) -> pa.Array | None:
         base += hi - lo
     if not pos:
         return None
-    items = list(chain.from_iterable(vals))
     lens = np.zeros(n, dtype=np.int64)
-    lens[pos] = [len(w) for w in vals]
+    lens[pos] = list(map(len, vals))
     offsets = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(lens, out=offsets[1:])
-    if (any(type(x) is not int for x in items) or offsets[-1] > np.iinfo(np.int32).max
-            or not all(_I64_MIN <= x <= _I64_MAX for x in items)):
+    try:
+        # `wait_for` stores exact ints (`operator.index`): checked within int64 in C here.
+        if offsets[-1] > _I32_MAX or not all(type(x) is int for x in chain.from_iterable(vals)):
+            raise TypeError
+        flat = np.frombuffer(array("q", chain.from_iterable(vals)), dtype=np.int64)
+    except (TypeError, OverflowError):
         padded: list[tuple[int, ...] | None] = [None] * n
         for p, w in zip(pos, vals, strict=True):
             padded[p] = w
         return list_i64_array(padded)  # what wait_for does not store: the general path
-    flat = np.array(items, dtype=np.int64)
     valid = np.zeros(n, dtype=bool)
     valid[pos] = True
     child = pa.Array.from_buffers(_I64, len(flat), [None, pa.py_buffer(flat)], null_count=0)
@@ -366,30 +409,75 @@ _REQ_STRINGS = (0, 2, 3, 7)  # then the digest, after the accounting columns
 def requests_table(rows: list[tuple[Any, ...]], off: int) -> pa.Table:
     n = len(rows)
     k = len(REQUESTS_SCHEMA) - _REQ_HEAD - 2  # the accounting columns: checked int64s
-    acct = np.frombuffer(array("q", chain.from_iterable(r[_REQ_HEAD:_REQ_HEAD + k]
-                                                        for r in rows)), dtype=np.int64)
-    acct = np.ascontiguousarray(acct.reshape(n, k).T)
-    # request_num, arrival, first token (None: null), finish
-    times = np.frombuffer(array("q", chain.from_iterable(
-        (r[1], r[4], 0 if r[5] is None else r[5], r[6]) for r in rows)), dtype=np.int64)
-    times = np.ascontiguousarray(times.reshape(n, 4).T)
-    times[1:] += off
-    valid = np.ones((4, n), dtype=bool)
-    valid[2] = [r[5] is not None for r in rows]
-    num, arrival, first, finish = _ints(_I64, times, valid)
-    # The string columns from one vocabulary (strict UTF-8, as pa.array: a bad one fails the
-    # table): request id, tenant, class, status, digest.
-    words: list[Any] = []
-    codes = np.stack([_coded([r[i] for r in rows], words)
-                      for i in (*_REQ_STRINGS, _REQ_HEAD + k)])
-    rid, tenant, wclass, status, digest = _strings(
-        codes, [0] * 5, str_array(words))
+    # Per row its integers (request_num, arrival, finish, the accounting) packed in C (every
+    # value checked as an int64), one row per column after the transpose; the first token
+    # (None: null) apart.
+    pack, get = _request_ints(k)
+    ints = np.frombuffer(b"".join(starmap(pack, map(get, rows))), dtype=np.int64)
+    ints = ints.reshape(n, 3 + k).T.copy()  # C order, writable
+    ints[1:3] += off
+    num, arrival, finish, *acct = _ints(_I64, ints)
+    firsts = list(map(_FIRST, rows))
+    if None in firsts:
+        valid = np.fromiter(map(operator.is_not, firsts, repeat(None)), dtype=bool, count=n)
+        first_ns = np.array([0 if f is None else f for f in firsts], dtype=np.int64) + off
+        (first,) = _ints(_I64, first_ns.reshape(1, -1), valid.reshape(1, -1))
+    else:
+        first_ns = np.frombuffer(_request_firsts(n).pack(*firsts), dtype=np.int64) + off
+        (first,) = _ints(_I64, first_ns.reshape(1, -1))
+    # The string columns (strict UTF-8, as pa.array: a bad one fails the table): request id,
+    # tenant, class, status, digest.
+    # One array of the five columns one after the other, sliced.
+    words = str_column([r[i] for i in (*_REQ_STRINGS, _REQ_HEAD + k) for r in rows])
+    rid, tenant, wclass, status, digest = (words.slice(j * n, n) for j in range(5))
     ids = [r[-1] for r in rows]
     out_ids = (pa.nulls(n, _LIST_I64) if all(x is None for x in ids)
                else list_i64_array([None if x is None else x.tolist() for x in ids]))
     return pa.Table.from_arrays(
-        [rid, num, tenant, wclass, arrival, first, finish, status, *_ints(_I64, acct), digest,
-         out_ids], schema=REQUESTS_SCHEMA)
+        [rid, num, tenant, wclass, arrival, first, finish, status, *acct, digest, out_ids],
+        schema=REQUESTS_SCHEMA)
+
+
+_FIRST = operator.itemgetter(5)
+
+
+@lru_cache(maxsize=8)
+def _request_ints(k: int) -> tuple[Any, Any]:
+    """(pack, get): a request row's integers but its first token (`get`) as int64s."""
+    return (struct.Struct(f"{3 + k}q").pack,
+            operator.itemgetter(1, 4, 6, *range(_REQ_HEAD, _REQ_HEAD + k)))
+
+
+@lru_cache(maxsize=64)
+def _request_firsts(n: int) -> struct.Struct:
+    return struct.Struct(f"{n}q")
+
+
+def str_column(values: Sequence[Any]) -> pa.Array:
+    """`pa.array(values, pa.string())` for str and None values (strict UTF-8: a lone
+    surrogate fails as it fails there), each distinct value encoded once; anything else goes
+    through `pa.array`, which accepts or refuses it as before."""
+    n = len(values)
+    try:
+        distinct = dict.fromkeys(values)
+        if not all(v is None or type(v) is str for v in distinct):
+            raise TypeError
+        enc = {v: b"" if v is None else v.encode("utf-8") for v in distinct}
+    except (TypeError, UnicodeEncodeError):
+        return pa.array(values, _STR)
+    words = list(map(enc.__getitem__, values))
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(np.fromiter(map(len, words), dtype=np.int64, count=n), out=offsets[1:])
+    if offsets[-1] > _I32_MAX:
+        return pa.array(values, _STR)
+    nulls = 0
+    bitmap = None
+    if None in enc:
+        valid = np.fromiter(map(operator.is_not, values, repeat(None)), dtype=bool, count=n)
+        nulls = n - int(valid.sum())
+        bitmap = pa.py_buffer(np.packbits(valid, bitorder="little"))
+    return pa.Array.from_buffers(_STR, n, [bitmap, pa.py_buffer(offsets.astype(np.int32)),
+                                           pa.py_buffer(b"".join(words))], null_count=nulls)
 
 
 # NOTE: the samples and events columns are built from buffers. `pa.array()` probes its input with
@@ -490,47 +578,50 @@ def engine_samples_table(steps: list[Chunk], rows: Sequence[tuple[Any, ...]], of
     n = len(e)
     counts = e[:, 10:16]
     has_host = e[:, 13] != -1
-    if has_host.all():
-        ts = np.repeat(e[:, 5], 6)
-        entity = np.tile(_POOL_ENTITY, n)
-        metric = np.tile(_POOL_METRIC, n)
-        value = counts.ravel().astype(np.float64)
+    all_host = bool(has_host.all())
+    m = 6 * n if all_host else 3 * (n + int(has_host.sum()))
+    k = len(rows)
+    # One working matrix: ts, then the codes of source, entity, metric and unit into one
+    # vocabulary (`words`: the step samples' words first).
+    w = np.zeros((5, m + k), dtype=np.int64)
+    if all_host:
+        w[0, :m] = np.repeat(e[:, 5], 6)
+        w[2, :m].reshape(n, 6)[:] = _POOL_ENTITY + 1  # "device", "host"
+        w[3, :m].reshape(n, 6)[:] = _POOL_METRIC + 3  # BLOCK_STATES
+        value = np.empty(m + k, dtype=np.float64)
+        value[:m] = counts.ravel()
     else:
         keep = np.ones((n, 6), dtype=bool)
         keep[:, 3:] = has_host[:, None]
-        ts = np.repeat(e[:, 5], keep.sum(axis=1))
-        entity = np.broadcast_to(_POOL_ENTITY, (n, 6))[keep]
-        metric = np.broadcast_to(_POOL_METRIC, (n, 6))[keep]
-        value = counts[keep].astype(np.float64)
-    m = len(ts)
-    k = len(rows)
-    sources, entities, metrics, units = ["pool"], ["device", "host"], list(BLOCK_STATES), \
-        ["blocks"]
+        w[0, :m] = np.repeat(e[:, 5], keep.sum(axis=1))
+        w[2, :m] = np.broadcast_to(_POOL_ENTITY + 1, (n, 6))[keep]
+        w[3, :m] = np.broadcast_to(_POOL_METRIC + 3, (n, 6))[keep]
+        value = np.empty(m + k, dtype=np.float64)
+        value[:m] = counts[keep]
+    words: list[Any] = ["pool", "device", "host", *BLOCK_STATES, "blocks"]
+    w[4, :m] = len(words) - 1  # "blocks"; source 0: "pool"
     if k:
         rts, rsrc, rent, rmet, rval, runit = zip(*rows, strict=True)
-        row_ts = np.fromiter(rts, dtype=np.int64, count=k)
-        source = np.concatenate([np.zeros(m, np.int64), _coded(rsrc, sources)])
-        entity = np.concatenate([entity, _coded(rent, entities)])
-        metric = np.concatenate([metric, _coded(rmet, metrics)])
-        unit = np.concatenate([np.zeros(m, np.int64), _coded(runit, units)])
-        value = np.concatenate([value, np.fromiter(rval, dtype=np.float64, count=k)])
-        keys = np.concatenate([ts, np.maximum.accumulate(row_ts)])
-        ts = np.concatenate([ts, row_ts])
-        if not (np.diff(keys) >= 0).all():
+        w[0, m:] = np.fromiter(rts, dtype=np.int64, count=k)
+        index: dict[Any, int] = {v: i for i, v in enumerate(words)}
+        index[None] = -1
+        for j, col in enumerate((rsrc, rent, rmet, runit), start=1):
+            for v in dict.fromkeys(col):
+                if v not in index:
+                    index[v] = len(words)
+                    words.append(v)
+            w[j, m:] = np.fromiter(map(index.__getitem__, col), dtype=np.int64, count=k)
+        value[m:] = np.fromiter(rval, dtype=np.float64, count=k)
+        keys = np.concatenate([w[0, :m], np.maximum.accumulate(w[0, m:])])
+        if not (keys[1:] >= keys[:-1]).all():
             order = np.argsort(keys, kind="stable")
-            ts, source, entity, metric, value, unit = (
-                c[order] for c in (ts, source, entity, metric, value, unit))
-    else:
-        source = unit = np.zeros(m, np.int64)
-    ts = ts + off
-    words = [*sources, *entities, *metrics, *units]
-    src, ent, met, uni = _strings(
-        np.stack([source, entity, metric, unit]),
-        [0, len(sources), len(sources) + len(entities),
-         len(sources) + len(entities) + len(metrics)], _sample_vocab(tuple(words)))
+            w = w.take(order, axis=1)  # C-contiguous (a fancy index may not be)
+            value = value[order]
+    w[0] += off
+    src, ent, met, uni = _strings(w[1:], [0, 0, 0, 0], _sample_vocab(tuple(words)))
     return pa.Table.from_arrays(
-        [*_ints(_I64, ts.reshape(1, -1)), src, ent, met,
-         *_ints(_F64, np.ascontiguousarray(value).reshape(1, -1)), uni], schema=SAMPLES_SCHEMA)
+        [*_ints(_I64, w[:1]), src, ent, met, *_ints(_F64, value.reshape(1, -1)), uni],
+        schema=SAMPLES_SCHEMA)
 
 
 # What json.dumps(detail, default=str, sort_keys=True) and json.dumps(detail, default=str)
@@ -539,11 +630,41 @@ _JSON_SORTED = json.JSONEncoder(default=str, sort_keys=True).encode
 _JSON = json.JSONEncoder(default=str).encode
 
 
+#: detail_json's results for details of str keys and int / str / bool / None values (the
+#: engine's events: an eviction's {"tier": ..., "blocks": n} repeats a few values all run),
+#: keyed by the items and the types of keys and values (1, 1.0 and True are one dict key, and
+#: their JSON differs; floats are never cached: 0.0 and -0.0 are equal, NaN equals nothing).
+_DETAIL_CACHE: dict[tuple[Any, ...], str] = {}
+_DETAIL_CACHE_MAX = 4096
+_CACHED_TYPES = frozenset((int, str, bool, type(None)))
+
+
 def detail_json(detail: dict[str, Any] | None) -> str | None:
     """An event's detail as JSON text, keys sorted when they can be; never raises (the drain
     must not fail on one value)."""
     if detail is None:
         return None
+    try:
+        # One C-level pass each: the items (hashable when the values are of the cached
+        # types) and the types of every key and value.
+        key = (tuple(detail.items()), tuple(map(type, chain(detail, detail.values()))))
+        hit = _DETAIL_CACHE.get(key)
+    except Exception:  # an unhashable value (a list, a dict), or not a dict at all
+        key = None
+    else:
+        if hit is not None:
+            return hit
+        if _CACHED_TYPES.issuperset(key[1]):
+            text = _detail_json(detail)
+            if len(_DETAIL_CACHE) >= _DETAIL_CACHE_MAX:
+                _DETAIL_CACHE.clear()
+            _DETAIL_CACHE[key] = text
+            return text
+    return _detail_json(detail)
+
+
+def _detail_json(detail: dict[str, Any]) -> str:
+    """`detail_json` of a dict, uncached."""
     try:
         return _JSON_SORTED(detail)
     except TypeError:  # keys of mixed types cannot be sorted
