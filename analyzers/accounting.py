@@ -120,7 +120,13 @@ def token_accounting(requests: pd.DataFrame, by: str | Sequence[str] | None = No
     # one sum and one sign test for all of them.
     mat = np.empty((len(ACCOUNTING_COLUMNS), len(requests)), dtype=np.int64)  # every row set
     for i, c in enumerate(ACCOUNTING_COLUMNS):
-        mat[i] = int_column(requests, c, 0) if c in given else 0
+        a = given.get(c)
+        if a is None:
+            mat[i] = 0
+        elif type(a) is np.ndarray and a.dtype == np.int64:  # (`int_column` of this array)
+            mat[i] = a
+        else:
+            mat[i] = int_column(requests, c, 0)
     full = dict(zip(ACCOUNTING_COLUMNS, mat, strict=True))
     smat = mat if served.all() else mat[:, served]
     cols = dict(zip(ACCOUNTING_COLUMNS, smat, strict=True))
@@ -137,7 +143,7 @@ def token_accounting(requests: pd.DataFrame, by: str | Sequence[str] | None = No
     loaded_all = loaded + tot["preempted_loaded_tokens"]
 
     def req(key: str, label: str, mask: np.ndarray) -> Ratio:
-        return Ratio(key, label, int(mask.sum()), n, "requests", "request")
+        return Ratio(key, label, int(np.count_nonzero(mask)), n, "requests", "request")
 
     def tok(key: str, label: str, num: int, den: int, unit: str, tier: str | None = None
             ) -> Ratio:
@@ -212,7 +218,7 @@ def token_accounting(requests: pd.DataFrame, by: str | Sequence[str] | None = No
             "reason": LOAD_FAIL_REASONS,
             "tokens": np.array([tot[f"load_failed_{r}_tokens"] for r in LOAD_FAIL_REASONS],
                                dtype=np.int64),
-            "requests": np.array([int((cols[f"load_failed_{r}_tokens"] > 0).sum())
+            "requests": np.array([np.count_nonzero(cols[f"load_failed_{r}_tokens"] > 0)
                                   for r in LOAD_FAIL_REASONS], dtype=np.int64),
         }, len(LOAD_FAIL_REASONS)),
         identity_violations=_identity(requests, full, served, mat),

@@ -123,10 +123,41 @@ def _tiles(r: np.ndarray, start: np.ndarray, end: np.ndarray, arrival: np.ndarra
     ok = np.ones(n, dtype=bool)
     if out.any():
         ok[r[out]] = False
-    with np.errstate(over="ignore"):
-        h = np.zeros(n, dtype=np.uint64)  # sum of hash(start) - hash(end), mod 2^64
-        np.add.at(h, r, _mix64(start) - _mix64(end))
-        same = h + _mix64(first) - _mix64(arrival) == 0
+    m = len(r)
+    if not m:
+        return ok & (total == first - arrival) & (first == arrival)
+    # Most requests' spans come as one chain (a run store writes them so): consecutive rows of
+    # the request, each starting where the one before ended. The multisets of such a chain are
+    # equal exactly when it starts at arrival and ends at the first token, which is compared
+    # directly; only the other requests' spans are hashed (the same answer: mix64 is a
+    # bijection, and an unchained request's multisets are compared as before).
+    new_req = r[1:] != r[:-1]
+    head = np.flatnonzero(np.concatenate(([True], new_req)))  # each run of one request
+    run_r = r.take(head)
+    chained = np.bincount(run_r, minlength=n) == 1  # the request's spans are one run
+    unlinked = ~new_req & (start[1:] != end[:-1])
+    if unlinked.any():
+        chained[r[1:][unlinked]] = False
+    tail = np.empty(len(head), dtype=np.intp)
+    tail[:-1] = head[1:] - 1
+    tail[-1] = m - 1
+    same = np.zeros(n, dtype=bool)
+    same[run_r] = (start.take(head) == a_r.take(head)) & (end.take(tail) == f_r.take(tail))
+    has = np.zeros(n, dtype=bool)
+    has[run_r] = True
+    rest = has & ~chained  # requests with spans, not one chain: their multisets hashed
+    if rest.any():
+        sel = np.flatnonzero(rest.take(r))
+        with np.errstate(over="ignore"):
+            h = np.zeros(n, dtype=np.uint64)  # sum of hash(start) - hash(end), mod 2^64
+            np.add.at(h, r.take(sel), _mix64(start.take(sel)) - _mix64(end.take(sel)))
+            ids = np.flatnonzero(rest)
+            same[ids] = (h.take(ids) + _mix64(first.take(ids)) - _mix64(arrival.take(ids))
+                         == 0)
+    # (requests without spans: the multisets are {first} and {arrival})
+    none = ~has
+    if none.any():
+        same[none] = first[none] == arrival[none]
     return ok & (total == first - arrival) & same
 
 
@@ -228,34 +259,37 @@ def partition(
     has_ft = has_ft & ~bad_first
     ttft = np.where(has_ft, first - arrival, 0)
 
-    # Only attributed state and activity spans of requests with a first token can matter: select
-    # them once, so that every later pass runs over those rows alone (not steps, not others).
+    # Only attributed state and activity spans of requests with a first token can matter. Rows
+    # of other kinds matter nowhere, and a row that is not a state span only as a load or as an
+    # activity stage of a derived request: only those few rows' kinds are compared with
+    # "activity" (`_equals_at`, where they are selected below), not every row's.
     ridx, matched = (_request_rows_by_num(spans, requests) if by_num
                      else (F.request_index(spans["request_id"], requests["request_id"]), False))
     kind = _strings(spans, "kind")
     is_state_kind = _equals_arrow(kind, "state")
-    keep = is_state_kind | _equals_arrow(kind, "activity")
+    valid: np.ndarray | None = None  # rows whose request is known and has a first token
     if not matched:  # (`matched`: every span's request is known, no test needed)
-        keep &= ridx >= 0
+        valid = ridx >= 0
     if not has_ft.all():
-        keep[keep] = has_ft[ridx[keep]]
+        if valid is None:
+            valid = np.ones(len(ridx), dtype=bool)
+        valid[valid] = has_ft[ridx[valid]]
     # Span names matter only as members of the few names the partition knows: each row's
     # index in that vocabulary (-1: any other name, or null), by one hash look-up a row.
     vocab = list(dict.fromkeys([*TTFT_STAGES, *activity_stages, *load_activities]))
     code = _vocab_index_arrow(_strings(spans, "name"), vocab)
     start = int_column(spans, "start_ns", 0)
     end = int_column(spans, "end_ns", 0)
-    if not keep.all():  # else (a projected read of a run: every row) no copies
-        rows = np.flatnonzero(keep)
-        ridx, is_state_kind, code = ridx.take(rows), is_state_kind.take(rows), code.take(rows)
-        start, end = start.take(rows), end.take(rows)
 
     # ---- state spans: the recorded partition
     # `vocab` opens with `TTFT_STAGES` in order: a name's stage is its code where the code is
     # below `_K` (one unsigned compare: -1 wraps above it), and no stage elsewhere.
     # A state span belongs to TTFT when it starts before the first token (a zero-length span at
     # arrival too, so that a request with TTFT 0 still counts as recorded).
-    si = np.flatnonzero(is_state_kind & (code.view(np.uint64) < _K))
+    stated = is_state_kind & (code.view(np.uint64) < _K)
+    if valid is not None:
+        stated &= valid
+    si = np.flatnonzero(stated)
     # (`take`: numpy's gather without fancy indexing's overhead, a third faster here)
     sr, s_start = ridx.take(si), start.take(si)
     a_r, f_r = arrival.take(sr), first.take(sr)
@@ -283,10 +317,13 @@ def partition(
     # ---- activity-only requests: the derived partition
     derived = has_ft & ~has_state
     act_table = _vocab_table(vocab, {a: TTFT_STAGES.index(s) for a, s in activity_stages.items()})
-    is_act = ~is_state_kind
+    is_act = ~is_state_kind  # an activity span where its kind says so (`_equals_at`)
+    if valid is not None:
+        is_act &= valid
     if derived.any():
         ui = np.flatnonzero(is_act & (act_table[code] >= 0))
         ui = ui[derived[ridx[ui]]]
+        ui = _activity_rows(kind, ui)
     else:
         ui = np.zeros(0, dtype=np.intp)
     acts = _Sel(ridx[ui], start[ui], end[ui], act_table[code[ui]])
@@ -299,7 +336,7 @@ def partition(
 
     # ---- hidden load time: the request's own loads overlapping its queue time
     is_load = _vocab_table(vocab, dict.fromkeys(load_activities, 1)) > 0  # per code, bool
-    li = np.flatnonzero(is_act & is_load.take(code))
+    li = _activity_rows(kind, np.flatnonzero(is_act & is_load.take(code)))
     hidden = _hidden_load(
         _Sel(ridx.take(li), start.take(li), end.take(li), act_table.take(code.take(li))),
         _Sel(sr, s_start, s_end, s_stage),
@@ -383,6 +420,14 @@ def _equals_arrow(arr: pa.Array | pa.ChunkedArray, value: str) -> np.ndarray:
     if len(parts) == 1:
         return parts[0]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=bool)
+
+
+def _activity_rows(kind: pa.Array | pa.ChunkedArray, rows: np.ndarray) -> np.ndarray:
+    """Those of `rows` whose `kind` is ``activity`` (`_equals` of only those rows' kinds)."""
+    if not len(rows):
+        return rows
+    ok = _equals_arrow(kind.take(pa.array(rows, type=pa.int64())), "activity")
+    return rows if ok.all() else rows[ok]
 
 
 def _request_rows_by_num(spans: pd.DataFrame, requests: pd.DataFrame

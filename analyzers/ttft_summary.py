@@ -284,16 +284,26 @@ def _stages_frame(names: list[str], n: int, q: np.ndarray, total: np.ndarray, sh
                   ttft_total: int) -> pd.DataFrame:
     """The whole run's stage table: per stage (`names`) its quantiles `q` (one row per
     `QUANTILES`), mean, total, mean share and share of the TTFT total, over `n` requests."""
-    nan = np.full(len(names), np.nan)
-    return _table({
-        "stage": names,
-        "requests": np.full(len(names), n, dtype=np.int64),
-        **{col: q[i] for i, col in enumerate(_QCOLS)},
-        "mean_ns": total / n if n else nan,
-        "total_ns": total,
-        "share_mean": share,
-        "share_of_total": total / ttft_total if ttft_total > 0 else nan,
-    })
+    k = len(names)
+    # The frame's blocks built here (`_table`'s values: the float ns columns rounded).
+    fl = np.empty((6, k), dtype=np.float64)
+    fl[:3] = q
+    fl[3] = total / n if n else np.nan
+    np.round(fl[:4], 3, out=fl[:4])
+    fl[4] = share
+    fl[5] = total / ttft_total if ttft_total > 0 else np.nan
+    ints = np.empty((2, k), dtype=np.int64)
+    ints[0] = n
+    ints[1] = total
+    return _block_frame(_STAGES_COLUMNS, [(_labels(tuple(names)).copy(), _AT0),
+                                          (ints, _STAGES_INT_AT), (fl, _STAGES_FLOAT_AT)], k)
+
+
+_STAGES_COLUMNS = ("stage", "requests", *_QCOLS, "mean_ns", "total_ns", "share_mean",
+                   "share_of_total")
+_AT0 = np.array([0], dtype=np.intp)
+_STAGES_INT_AT = np.array([1, 6], dtype=np.intp)
+_STAGES_FLOAT_AT = np.array([2, 3, 4, 5, 7, 8], dtype=np.intp)
 
 
 def _slowest_matrix(x: np.ndarray, srt: np.ndarray, part: pd.DataFrame,
@@ -319,13 +329,20 @@ def _slowest_frame(names: list[str], threshold: float, count: int, tot: dict[str
                    den: float) -> pd.DataFrame:
     """The whole run's slowest-requests table: the `count` requests at or over the TTFT
     `threshold`, per stage their mean and their share of those requests' TTFT (`den`)."""
-    return _table({
-        "stage": names,
-        "threshold_ns": np.full(len(names), threshold, dtype=np.float64),
-        "requests": np.full(len(names), count, dtype=np.int64),
-        "mean_ns": np.array([tot[x] / count for x in names], dtype=np.float64),
-        "share": np.array([tot[x] / den for x in names], dtype=np.float64),
-    })
+    k = len(names)
+    fl = np.empty((3, k), dtype=np.float64)
+    fl[0] = threshold
+    fl[1] = np.array([tot[x] / count for x in names], dtype=np.float64)
+    np.round(fl[:2], 3, out=fl[:2])
+    fl[2] = np.array([tot[x] / den for x in names], dtype=np.float64)
+    ints = np.full((1, k), count, dtype=np.int64)
+    return _block_frame(_SLOWEST_COLUMNS, [(_labels(tuple(names)).copy(), _AT0),
+                                           (fl, _SLOWEST_FLOAT_AT), (ints, _SLOWEST_INT_AT)], k)
+
+
+_SLOWEST_COLUMNS = ("stage", "threshold_ns", "requests", "mean_ns", "share")
+_SLOWEST_FLOAT_AT = np.array([1, 3, 4], dtype=np.intp)
+_SLOWEST_INT_AT = np.array([2], dtype=np.intp)
 
 
 @cache
@@ -422,11 +439,92 @@ def build_frame(data: Mapping[str, Any], n: int) -> pd.DataFrame:
     Arrow-backed strings, whose data is never rewritten)."""
     arrays = [(_labels(tuple(v)).copy() if isinstance(v, (list, tuple)) else v)
               for v in data.values()]
+    make = _from_blocks()
+    if make is not None:
+        blocks = _blocks(arrays, n)
+        if blocks is not None:
+            try:
+                return make(blocks, index=pd.RangeIndex(n),
+                            columns=_column_index(tuple(data)).view())
+            except (TypeError, ValueError, AttributeError):  # pragma: no cover - a pandas
+                pass  # whose block constructor differs: the general path below
     try:
         return pd.DataFrame._from_arrays(arrays, columns=_column_index(tuple(data)).view(),
                                          index=pd.RangeIndex(n), verify_integrity=False)
     except (AttributeError, TypeError):  # a pandas without the private constructor
         return pd.DataFrame(dict(zip(data, arrays, strict=True)), index=pd.RangeIndex(n))
+
+
+@cache
+def _from_blocks() -> Any:
+    """pandas' ``create_dataframe_from_blocks`` (``pandas.api.internals``), None where this
+    pandas lacks it."""
+    try:
+        from pandas.api.internals import create_dataframe_from_blocks
+    except ImportError:  # pragma: no cover - an older pandas
+        return None
+    return create_dataframe_from_blocks
+
+
+#: numpy dtype kinds `_blocks` places into blocks itself (others: the general constructor).
+_BLOCK_KINDS = frozenset("iub")
+
+
+def _blocks(arrays: Sequence[Any], n: int) -> list[tuple[Any, np.ndarray]] | None:
+    """The blocks ``DataFrame._from_arrays`` makes of `arrays` (columns of length `n`): the
+    numpy columns of one dtype stacked (copied) into one 2-D block in column order, each
+    extension array a block of its own, taken as it is. None when a column is anything
+    else (object, datetime, float16, another byte order, a numpy-backed extension array,
+    a length other than `n`): the caller then takes pandas' general path."""
+    groups: dict[np.dtype, list[int]] = {}
+    out: list[tuple[Any, np.ndarray]] = []
+    for i, a in enumerate(arrays):
+        if isinstance(a, np.ndarray):
+            dt = a.dtype
+            if (a.ndim != 1 or len(a) != n or not dt.isnative
+                    or not (dt.kind in _BLOCK_KINDS or dt in _FLOATS)):
+                return None
+            groups.setdefault(dt, []).append(i)
+        elif (getattr(a, "ndim", 1) != 1 or len(a) != n
+              or isinstance(a.dtype, np.dtype) or _numpy_backed(a)):
+            return None
+        else:
+            out.append((a, np.array([i], dtype=np.intp)))
+    for dt, cols in groups.items():
+        vals = np.empty((len(cols), n), dtype=dt)
+        for j, i in enumerate(cols):
+            vals[j] = arrays[i]
+        out.append((vals, np.array(cols, dtype=np.intp)))
+    return out
+
+
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _numpy_backed(a: Any) -> bool:
+    """An extension array that wraps a numpy array as it is (pandas' ``NumpyExtensionArray``,
+    which the frame constructor unwraps)."""
+    cls = getattr(pd.arrays, "NumpyExtensionArray", None) or pd.arrays.PandasArray
+    return isinstance(a, cls)
+
+
+def _block_frame(columns: tuple[str, ...], blocks: list[tuple[Any, np.ndarray]], n: int
+                 ) -> pd.DataFrame:
+    """The frame of `columns` (`n` rows, a ``RangeIndex``) made of `blocks`: ``(values,
+    positions)`` pairs, values a C-contiguous 2-D numpy array (a row per column, one dtype)
+    or a 1-D extension array, taken as they are (pass arrays nothing else holds). The same
+    frame as `build_frame` of those columns."""
+    make = _from_blocks()
+    if make is not None:
+        try:
+            return make(blocks, index=pd.RangeIndex(n), columns=_column_index(columns).view())
+        except (TypeError, ValueError, AttributeError):  # pragma: no cover - see build_frame
+            pass
+    cols: list[Any] = [None] * len(columns)
+    for values, at in blocks:
+        for j, i in enumerate(at.tolist()):
+            cols[i] = values[j] if isinstance(values, np.ndarray) else values
+    return build_frame(dict(zip(columns, cols, strict=True)), n)
 
 
 def _table(data: dict[str, Any]) -> pd.DataFrame:
@@ -570,8 +668,15 @@ def _group_quantiles(v: np.ndarray) -> list[float]:
 
 
 def _window_columns() -> list[str]:
-    return ["window_start_ns", "window_start_s", "requests",
-            *(f"{n}_{q}" for n in ["ttft", *TTFT_STAGES] for q in _QCOLS)]
+    return list(_WINDOW_COLUMNS)
+
+
+_WINDOW_COLUMNS: tuple[str, ...] = ("window_start_ns", "window_start_s", "requests",
+                                    *(f"{n}_{q}" for n in ["ttft", *TTFT_STAGES]
+                                      for q in _QCOLS))
+#: The windows frame's int64 and float64 columns (positions in `_WINDOW_COLUMNS`).
+_WIN_INT_AT = np.array([0, 2], dtype=np.intp)
+_WIN_FLOAT_AT = np.array([1, *range(3, len(_WINDOW_COLUMNS))], dtype=np.intp)
 
 
 def _windows(vals: pd.DataFrame, arrival: np.ndarray, window_ns: int, origin_ns: int
@@ -619,23 +724,27 @@ def _windows_matrix(y: np.ndarray, arrival: np.ndarray, window_ns: int, origin_n
         return None
     bounds = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(counts, out=bounds[1:])
-    data: dict[str, Any] = {"window_start_ns": starts.astype(np.int64),
-                            "window_start_s": (starts - origin_ns) / 1e9,
-                            "requests": counts.astype(np.int64)}
-    # Each row in window order, each window's run sorted in place; every window's quantiles
-    # then picked at once, with `_group_quantiles`' arithmetic.
-    x = (y if in_order else y[:, np.argsort(start, kind="stable")]).astype(np.float64)
-    for i in range(len(starts)):
+    nw = len(starts)
+    # Each row in window order, each window's run sorted in place (as int64: the float64
+    # conversion is monotonic, so the order statistics are the same values); every window's
+    # quantiles then picked at once, with `_group_quantiles`' arithmetic.
+    x = y if in_order else y[:, np.argsort(start, kind="stable")]
+    for i in range(nw):
         x[:, bounds[i]:bounds[i + 1]].sort(axis=1)
-    m = counts.astype(np.int64)
+    m1 = (counts - 1).astype(np.float64)
+    h = np.multiply.outer(np.asarray(QUANTILES, dtype=np.float64), m1)  # (quantile, window)
+    j = h.astype(np.int64)  # int(h): h >= 0
+    frac = h % 1
     at = bounds[:-1]
-    for q, qc in zip(QUANTILES, _QCOLS, strict=True):
-        h = q * (m - 1).astype(np.float64)
-        j = h.astype(np.int64)  # int(h): h >= 0
-        frac = h % 1
-        lo = x[:, at + j]
-        hi = x[:, at + np.minimum(j + 1, m - 1)]
-        v = np.where(frac == 0.0, lo, lo + (hi - lo) * frac)
-        for k, n in enumerate(names):
-            data[f"{n}_{qc}"] = v[k]
-    return _table({c: data[c] for c in _window_columns()})
+    lo = x[:, at + j].astype(np.float64)  # (name, quantile, window)
+    hi = x[:, at + np.minimum(j + 1, counts - 1)].astype(np.float64)
+    v = np.where(frac == 0.0, lo, lo + (hi - lo) * frac)
+    # One float block: window_start_s, then a row per (name, quantile) in column order,
+    # rounded as `_table` rounds each ns column; one int64 block: window_start_ns, requests.
+    fl = np.empty((1 + len(names) * len(QUANTILES), nw), dtype=np.float64)
+    fl[0] = (starts - origin_ns) / 1e9
+    np.round(v.reshape(len(names) * len(QUANTILES), nw), 3, out=fl[1:])
+    ints = np.empty((2, nw), dtype=np.int64)
+    ints[0] = starts
+    ints[1] = counts
+    return _block_frame(_WINDOW_COLUMNS, [(ints, _WIN_INT_AT), (fl, _WIN_FLOAT_AT)], nw)
