@@ -113,9 +113,10 @@ _HOST, _REMOTE = 0, 1
 
 
 class _Spans:
-    """The span columns the check reads, each decoded once for every row (strings as codes:
+    """The span columns the check reads: the strings decoded once for every row (as codes:
     the request row each span names, dictionary codes of names and tiers), then taken for the
-    rows of one kind: no DataFrame is built, no string copied."""
+    rows of one kind; the integers converted for the rows read only. No DataFrame is built,
+    no string copied."""
 
     def __init__(self, spans: pd.DataFrame, request_ids: pd.Series) -> None:
         self.df = spans
@@ -123,17 +124,13 @@ class _Spans:
         self.named = F.valid(spans["request_id"])
         self.name = F.categorize(spans["name"])
         self.tier = F.categorize(spans["tier"])
-        self._ints: dict[tuple[str, int], np.ndarray] = {}
 
     def rows(self, kind: str) -> np.ndarray:
         return np.flatnonzero(F.equals(self.df["kind"], kind))
 
     def ints(self, col: str, rows: np.ndarray, fill: int = -1) -> np.ndarray:
-        # each column converted once: the ledger and the activity rows read the same ones
-        key = (col, fill)
-        if key not in self._ints:
-            self._ints[key] = F.ints(self.df[col], fill)
-        return self._ints[key][rows]
+        # the rows read gathered before they are converted: no whole-column array
+        return F.ints_at(self.df[col], rows, fill)
 
 
 def _request_rows(span_ids: pd.Series, request_ids: pd.Series) -> np.ndarray:
@@ -254,11 +251,12 @@ def _recompute(requests: pd.DataFrame, spans: pd.DataFrame, is_ledger: np.ndarra
             reasons.append(v.removeprefix("failed_"))
     code = F.recode(names, name_map)[order]
     reason_of = F.recode(names, {f"failed_{x}": i for i, x in enumerate(reasons)})[order]
-    tier = F.recode(sp.tier, {"host": _HOST, "remote": _REMOTE})[led[order]]
-    tokens = sp.ints("tokens", led, 0)[order]
-    nbytes = sp.ints("bytes", led, 0)[order]
-    block = sp.ints("block", led, 0)[order]
-    tid = sp.ints("transfer_id", led)[order]
+    lo = led[order]  # the ledger rows in that order
+    tier = F.recode((sp.tier[0][lo], sp.tier[1]), {"host": _HOST, "remote": _REMOTE})
+    tokens = sp.ints("tokens", lo, 0)
+    nbytes = sp.ints("bytes", lo, 0)
+    block = sp.ints("block", lo, 0)
+    tid = sp.ints("transfer_id", lo)
 
     # The admission each row is booked to: its owner's latest device_hit row up to it.
     is_dh = code == _DEVICE_HIT
@@ -376,7 +374,7 @@ def _transfers(sp: _Spans, n: int, ab_owner: np.ndarray, ab_tid: np.ndarray, bs:
         return (np.zeros(n, np.int64),) * 3
     ar = sp.request[act]
     ok = (ar >= 0) & sp.named[act]
-    which = F.recode(sp.name, {"h2d": 0, "remote_read": 1})[act]
+    which = F.recode((sp.name[0][act], sp.name[1]), {"h2d": 0, "remote_read": 1})
     nb, tk, tids = (sp.ints("bytes", act, 0), sp.ints("tokens", act, 0),
                     sp.ints("transfer_id", act))
     h = ok & (which == 0)

@@ -109,6 +109,23 @@ def ints(col: pd.Series, fill: int = -1) -> np.ndarray:
 _INT64 = np.dtype(np.int64)
 
 
+def ints_at(col: pd.Series, rows: np.ndarray, fill: int = -1) -> np.ndarray:
+    """``ints(col, fill)[rows]`` (`rows`: integer positions), the rows gathered before they
+    are converted: no array as long as the whole column is made (a run's spans frame has
+    millions of rows, of which a caller often reads a third)."""
+    arr = col.array
+    data, mask = getattr(arr, "_data", None), getattr(arr, "_mask", None)
+    if col.dtype == np.int64 or not (isinstance(data, np.ndarray) and
+                                     isinstance(mask, np.ndarray) and data.dtype.kind == "i"
+                                     and mask.dtype == np.bool_ and
+                                     data.shape == mask.shape == (len(col),)):
+        out = ints(col, fill)[rows]  # a plain int64 column (a view), or another kind
+    else:  # a nullable Int64 / Int32 column (pandas' masked array: values and null mask)
+        out = data.take(rows).astype(np.int64, copy=False)
+        out[mask.take(rows)] = fill
+    return out if out.dtype is _INT64 else out.view(_INT64)
+
+
 def valid(col: pd.Series) -> np.ndarray:
     """Boolean mask of the non-null entries of `col` (`Series.notna`, from its array: no
     Series built)."""
@@ -182,10 +199,54 @@ def equals(col: pd.Series, value: str) -> np.ndarray:
     """Boolean mask of the rows of a string column equal to `value` (null rows: False).
 
     A byte comparison per row: cheaper than hashing when only one or two values matter.
+    For an Arrow-backed column (a run store's) the mask is computed once per column and
+    value and kept while the column's data lives (the consistency check, the diagnoses and
+    the accounting ask for the same few: ``kind == "ledger"``, ``kind == "activity"``):
+    such a mask is read-only; one for a caller to write into is ``equals(...).copy()``.
     """
     arr = arrow_strings(col)
-    eq = pc.equal(arr, pa.scalar(value, arr.type))
-    return pc.fill_null(eq, False).to_numpy(zero_copy_only=False)
+    cached = isinstance(arr, pa.ChunkedArray) and getattr(col.array, "_pa_array", None) is arr
+    if cached:
+        got = _equals_cached(arr, value)
+        if got is not None:
+            return got
+    eq = pc.fill_null(pc.equal(arr, pa.scalar(value, arr.type)), False).to_numpy(
+        zero_copy_only=False)
+    if cached:
+        eq.flags.writeable = False
+        _equals_keep(arr, value, eq)
+    return eq
+
+
+#: `equals` masks by the Arrow data they were computed from: ``id(data) → (weak reference
+#: to it, {value: mask})``, each entry dropped when its data is freed.
+_EQUALS: dict[int, tuple[Any, dict[str, np.ndarray]]] = {}
+_EQUALS_LOCK = threading.RLock()  # (a weak reference's callback may run under it)
+
+
+def _equals_cached(arr: pa.ChunkedArray, value: str) -> np.ndarray | None:
+    with _EQUALS_LOCK:
+        entry = _EQUALS.get(id(arr))
+        if entry is None or entry[0]() is not arr:
+            return None
+        return entry[1].get(value)
+
+
+def _equals_keep(arr: pa.ChunkedArray, value: str, mask: np.ndarray) -> None:
+    import weakref
+
+    key = id(arr)
+    with _EQUALS_LOCK:
+        entry = _EQUALS.get(key)
+        if entry is None or entry[0]() is not arr:
+            def drop(ref: Any, key: int = key) -> None:
+                with _EQUALS_LOCK:
+                    if key in _EQUALS and _EQUALS[key][0] is ref:
+                        del _EQUALS[key]
+
+            entry = (weakref.ref(arr, drop), {})
+            _EQUALS[key] = entry
+        entry[1][value] = mask
 
 
 def require_unique_ids(requests: pd.DataFrame) -> None:

@@ -138,11 +138,14 @@ def build_report(store: Any, *, diagnose: bool = True, by: str | None = None,
         spans, step_source, spans_end = _spans_and_steps(store, steps)
         if fitting is None:
             fitting = pool.submit(_fit, step_source, estimated)
+        # The check starts as soon as the spans frame is made, beside the partition: on two
+        # cores it was the last thing running. An error of the partition (or of what comes
+        # before it) is raised as it was when the check ran after it.
+        checking = pool.submit(check_consistency, req, spans, block_size=block_size_of(meta),
+                               kv_bytes_per_block=kv_bytes_per_block_of(meta))
         origin = run_origin_ns(meta, store)
         groups = layer_groups_of(meta)
         part = partition(req, _partition_spans(store, req, spans))
-        checking = pool.submit(check_consistency, req, spans, block_size=block_size_of(meta),
-                               kv_bytes_per_block=kv_bytes_per_block_of(meta))
         try:
             ttft = summarize(part, by=by, window_ns=window_ns, origin_ns=origin)
             accounting = token_accounting(req)

@@ -74,7 +74,7 @@ def h2d_bandwidth_low(ctx: Context) -> Finding | NotEvaluated | None:
     cfg = ctx.config
     spans = ctx.spans
     how: str
-    act = F.rows(spans, (spans["kind"] == "activity") & (spans["name"] == "h2d"),
+    act = F.rows(spans, F.equals(spans["kind"], "activity") & F.equals(spans["name"], "h2d"),
                  ("bytes", "start_ns", "end_ns")) \
         if len(spans) and "bytes" in spans else spans.iloc[:0]
     nbytes_col = F.ints(act["bytes"], 0) if len(act) else np.zeros(0, np.int64)

@@ -17,9 +17,14 @@ FORMATS = ("text", "markdown", "json")
 GROUPS = ("tenant", "workload_class", "hit_class")
 
 
-#: glibc's mallopt parameters (malloc.h) and what `_keep_freed_memory` sets them to.
-_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
-_MALLOPT = ((_M_TRIM_THRESHOLD, 1 << 30), (_M_TOP_PAD, 64 << 20), (_M_MMAP_THRESHOLD, 32 << 20))
+#: glibc's mallopt parameters (malloc.h) and what `_keep_freed_memory` sets them to. One
+#: arena (``M_ARENA_MAX``) for every thread made afterwards: the reading threads, Arrow's
+#: decoders and the report's threads then allocate from the heap the others freed (with an
+#: arena each, what one thread freed stayed in its arena, and the next thread's arrays came
+#: from fresh pages, each of which the kernel zeroes when first touched).
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -2, -3, -8
+_MALLOPT = ((_M_TRIM_THRESHOLD, 1 << 30), (_M_TOP_PAD, 64 << 20), (_M_MMAP_THRESHOLD, 32 << 20),
+            (_M_ARENA_MAX, 1))
 
 
 def _keep_freed_memory() -> bool:
