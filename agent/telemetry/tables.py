@@ -470,12 +470,7 @@ def str_column(values: Sequence[Any]) -> pa.Array:
     np.cumsum(np.fromiter(map(len, words), dtype=np.int64, count=n), out=offsets[1:])
     if offsets[-1] > _I32_MAX:
         return pa.array(values, _STR)
-    nulls = 0
-    bitmap = None
-    if None in enc:
-        valid = np.fromiter(map(operator.is_not, values, repeat(None)), dtype=bool, count=n)
-        nulls = n - int(valid.sum())
-        bitmap = pa.py_buffer(np.packbits(valid, bitorder="little"))
+    bitmap, nulls = _validity(values, n) if None in enc else (None, 0)
     return pa.Array.from_buffers(_STR, n, [bitmap, pa.py_buffer(offsets.astype(np.int32)),
                                            pa.py_buffer(b"".join(words))], null_count=nulls)
 
@@ -483,6 +478,12 @@ def str_column(values: Sequence[Any]) -> pa.Array:
 # NOTE: the samples and events columns are built from buffers. `pa.array()` probes its input with
 # pandas' type checks and imports pandas when it is installed (~0.5 s and tens of MiB); the node
 # agent must stay free of it, and building the buffers directly costs less anyway.
+
+
+def _validity(values: Sequence[Any], n: int) -> tuple[pa.Buffer, int]:
+    """The validity bitmap of `values` (None is null) and its null count."""
+    valid = np.fromiter(map(operator.is_not, values, repeat(None)), dtype=bool, count=n)
+    return pa.py_buffer(np.packbits(valid, bitorder="little")), n - int(valid.sum())
 
 
 def _int64(values: tuple[int, ...], offset: int = 0) -> pa.Array:
@@ -515,12 +516,7 @@ def _string(values: tuple[str | None, ...] | list[str | None]) -> pa.Array:
         codes = dict.fromkeys([None]) if any(v is None for v in values) else {}
     offsets = np.zeros(n + 1, dtype=np.int32)
     np.cumsum(np.fromiter(map(len, enc), dtype=np.int32, count=n), out=offsets[1:])
-    nulls = 0
-    bitmap = None
-    if None in codes:
-        valid = np.fromiter(map(operator.is_not, values, repeat(None)), dtype=bool, count=n)
-        nulls = n - int(valid.sum())
-        bitmap = pa.py_buffer(np.packbits(valid, bitorder="little"))
+    bitmap, nulls = _validity(values, n) if None in codes else (None, 0)
     return pa.Array.from_buffers(pa.string(), n, [bitmap, pa.py_buffer(offsets),
                                                   pa.py_buffer(b"".join(enc))], null_count=nulls)
 
