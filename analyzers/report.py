@@ -278,7 +278,7 @@ def _partition_spans(store: Any, req: pd.DataFrame, spans: pd.DataFrame) -> pd.D
             not F.valid(req["request_num"]).all():
         return spans
     nums = F.ints(req["request_num"])
-    if len(np.unique(nums)) != len(nums) or not np.array_equal(
+    if F.n_distinct(nums) != len(nums) or not np.array_equal(
             F.valid(spans["request_num"]), F.valid(spans["request_id"])):
         return spans
     return spans[cols]

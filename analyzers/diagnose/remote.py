@@ -254,7 +254,7 @@ def load_serialisation(ctx: Context) -> Finding | NotEvaluated | None:
     # Requests waiting when each one started waiting (itself included).
     waiting = (np.searchsorted(order_s, s, side="right")
                - np.searchsorted(order_e, s, side="right")).astype(np.float64)
-    if len(np.unique(waiting)) < 3:
+    if F.n_distinct(waiting) < 3:
         return None
     slope, rho = _slope_and_rank_corr(waiting, d)
     reads = F.rows(sp, F.equals(sp["kind"], "activity") & is_remote_read, ("start_ns", "end_ns"))
