@@ -18,6 +18,8 @@ somewhat dearer than it says.
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +39,10 @@ __all__ = ["COMPUTE_PHASES", "StepCost", "fit_step_cost"]
 #: Pairs used per Theil–Sen fit (all pairs when fewer): bounds the cost on long runs.
 _MAX_PAIRS = 60_000
 _N_BOOT = 300
+#: Steps from which the bootstrap's fits may be shared with a second thread (`_bootstrap`;
+#: fewer: a fit takes well under a millisecond) and the most resamples waiting for it.
+_PARALLEL_MIN = 20_000
+_IN_FLIGHT = 2
 _CONFIDENCE = 0.95
 #: Steps needed (with at least two distinct token counts) before a model is fitted.
 MIN_STEPS = 8
@@ -272,17 +278,29 @@ def _median(a: np.ndarray) -> float:
     return float(np.mean(part[[j1, j2]]))
 
 
-def _theil_sen(x: np.ndarray, y: np.ndarray, rng: np.random.Generator,
-               idx: np.ndarray | None = None) -> tuple[float, float]:
+def _pairs(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The random pairs a Theil–Sen fit over `n` points draws (`_MAX_PAIRS` of them, first
+    ends then second ends), or None when it takes every pair (no draw)."""
+    if n * (n - 1) // 2 <= _MAX_PAIRS:
+        return None
+    return rng.integers(0, n, _MAX_PAIRS), rng.integers(0, n, _MAX_PAIRS)
+
+
+def _theil_sen(x: np.ndarray, y: np.ndarray, rng: np.random.Generator | None,
+               idx: np.ndarray | None = None,
+               pairs: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[float, float]:
     """Theil–Sen over the points ``(x, y)``, or over the resample ``(x[idx], y[idx])``
     without building it: each pair and residual is the same float operation on the same
-    values as over the resampled arrays, so the result is the same bit for bit."""
+    values as over the resampled arrays, so the result is the same bit for bit. The pairs
+    are `pairs` when given (`_pairs` of the same point count, drawn beforehand), else drawn
+    from `rng` here."""
     n = len(x) if idx is None else len(idx)
-    if n * (n - 1) // 2 <= _MAX_PAIRS:
+    if pairs is None and rng is not None:
+        pairs = _pairs(rng, n)
+    if pairs is None:
         i, j = np.triu_indices(n, 1)
     else:
-        i = rng.integers(0, n, _MAX_PAIRS)
-        j = rng.integers(0, n, _MAX_PAIRS)
+        i, j = pairs
     # `take` gathers what fancy indexing would (the same values), a third faster; the
     # slopes are divided before the pairs with dx == 0 are dropped (the same division of the
     # same values for every pair kept, one selection instead of two).
@@ -301,7 +319,8 @@ def _theil_sen(x: np.ndarray, y: np.ndarray, rng: np.random.Generator,
 
 def fit_step_cost(spans: pd.DataFrame | pa.Table | StepSamples, *, seed: int = 0,
                   n_boot: int = _N_BOOT,
-                  estimates: Callable[[StepCost], object] | None = None) -> StepCost:
+                  estimates: Callable[[StepCost], object] | None = None,
+                  spare_core: threading.Event | None = None) -> StepCost:
     """Fit the run's step cost model on its step spans.
 
     Args:
@@ -314,6 +333,8 @@ def fit_step_cost(spans: pd.DataFrame | pa.Table | StepSamples, *, seed: int = 0
             (the estimates, intervals NaN), for a caller that reads the estimates only
             while the bootstrap runs; not called when the fit stops before its estimates
             (too few steps, a single token count: the model returned says why).
+        spare_core: set by a caller whose other threads are done: from then on a second
+            thread shares the bootstrap's fits on a large run (the same model, bit for bit).
 
     Returns:
         a `StepCost` (with `reason` set when the run has too few steps, or a single token
@@ -331,10 +352,75 @@ def fit_step_cost(spans: pd.DataFrame | pa.Table | StepSamples, *, seed: int = 0
     slope, icpt = _theil_sen(x, ns, rng)
     if estimates is not None:
         estimates(_model(slope, icpt, np.empty((0, 2)), tokens))
+    return _model(slope, icpt, _bootstrap(x, ns, rng, n_boot, spare_core), tokens)
+
+
+def _bootstrap(x: np.ndarray, y: np.ndarray, rng: np.random.Generator, n_boot: int,
+               spare_core: threading.Event | None = None) -> np.ndarray:
+    """The `n_boot` resampled ``(slope, intercept)`` rows: resample b is Theil–Sen over
+    ``rng.integers(0, n, n)`` with its pairs drawn right after (`_pairs`), in order of b.
+
+    Every random number is drawn here, in that order, from the one generator, so the rows
+    are the same bit for bit however the fits are spread. Once `spare_core` is set (the
+    caller has no other work left for a core) on a run of at least `_PARALLEL_MIN` steps,
+    a second thread takes the fits of the resamples drawn from then on whenever fewer than
+    `_IN_FLIGHT` wait for it (numpy's gathers, partitions and arithmetic release the GIL),
+    and this thread draws the rest and fits what the other has not taken. Only then: with
+    every core busy, two threads fitting cost more CPU time than one."""
+    n = len(x)
     boots = np.empty((n_boot, 2))
-    for b in range(n_boot):
-        boots[b] = _theil_sen(x, ns, rng, rng.integers(0, n, n))
-    return _model(slope, icpt, boots, tokens)
+    helper: _FitHelper | None = None
+    try:
+        for b in range(n_boot):
+            idx = rng.integers(0, n, n)
+            pairs = _pairs(rng, n)
+            if helper is None and spare_core is not None and spare_core.is_set() \
+                    and n >= _PARALLEL_MIN and n_boot - b >= 2:
+                helper = _FitHelper(x, y, boots)
+            if helper is None or not helper.take(b, idx, pairs):
+                boots[b] = _theil_sen(x, y, None, idx, pairs)
+    finally:
+        if helper is not None:
+            helper.close()  # waits for its fits; raises its error
+    return boots
+
+
+class _FitHelper:
+    """A thread fitting resamples handed to it (`take`) into their rows of `boots`."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray, boots: np.ndarray) -> None:
+        self._x, self._y, self._boots = x, y, boots
+        self._queue: queue.SimpleQueue[tuple[int, np.ndarray, Any] | None] = \
+            queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kvscope-bootstrap",
+                                        daemon=True)
+        self._thread.start()
+
+    def take(self, b: int, idx: np.ndarray, pairs: tuple[np.ndarray, np.ndarray] | None
+             ) -> bool:
+        """Hand resample `b` over unless `_IN_FLIGHT` already wait (or the thread failed):
+        whether it took it."""
+        if self._queue.qsize() >= _IN_FLIGHT or self._error is not None:
+            return False
+        self._queue.put((b, idx, pairs))
+        return True
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if self._error is not None:
+                continue
+            b, idx, pairs = item
+            try:
+                self._boots[b] = _theil_sen(self._x, self._y, None, idx, pairs)
+            except BaseException as exc:  # raised in the caller's thread by `close`
+                self._error = exc
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 def _model(slope: float, icpt: float, boots: np.ndarray, tokens: np.ndarray) -> StepCost:

@@ -11,6 +11,7 @@ lacked the data for. JSON carries them under ``findings`` and ``diagnoses``.
 from __future__ import annotations
 
 import json
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -133,11 +134,12 @@ def build_report(store: Any, *, diagnose: bool = True, by: str | None = None,
     # the analyzers after it raise too (the order they ran in one after the other).
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvscope-report") as pool:
         estimated: Future[StepCost] = Future()
-        fitting = None if steps is None else pool.submit(_fit, steps, estimated)
+        spare_core = threading.Event()  # set once only the bootstrap is left running
+        fitting = None if steps is None else pool.submit(_fit, steps, estimated, spare_core)
         req = store.requests
         spans, step_source, spans_end = _spans_and_steps(store, steps)
         if fitting is None:
-            fitting = pool.submit(_fit, step_source, estimated)
+            fitting = pool.submit(_fit, step_source, estimated, spare_core)
         # The check starts as soon as the spans frame is made, beside the partition: on two
         # cores it was the last thing running. An error of the partition (or of what comes
         # before it) is raised as it was when the check ran after it.
@@ -161,6 +163,9 @@ def build_report(store: Any, *, diagnose: bool = True, by: str | None = None,
                                        part=part, cost=_PendingCost(estimated, fitting),
                                        origin_ns=origin, run_path=str(store.path),
                                        spans_end_ns=spans_end)
+            # This thread and the consistency check done, the bootstrap (when still
+            # drawing) shares its remaining fits with a second thread: a core is free.
+            checking.add_done_callback(lambda _: spare_core.set())
             cost = fitting.result()
         except BaseException:
             if checking.exception() is not None:
@@ -201,13 +206,13 @@ def build_report(store: Any, *, diagnose: bool = True, by: str | None = None,
     )
 
 
-def _fit(steps: pd.DataFrame | pa.Table | StepSamples, estimated: Future[StepCost]
-         ) -> StepCost:
+def _fit(steps: pd.DataFrame | pa.Table | StepSamples, estimated: Future[StepCost],
+         spare_core: threading.Event | None = None) -> StepCost:
     """`fit_step_cost` of `steps`, its estimates set into `estimated` as soon as they are
     known (the whole model when the fit stops before them; its error when it raises
-    first)."""
+    first); `spare_core` as `fit_step_cost` reads it."""
     try:
-        cost = fit_step_cost(steps, estimates=estimated.set_result)
+        cost = fit_step_cost(steps, estimates=estimated.set_result, spare_core=spare_core)
     except BaseException as exc:
         if not estimated.done():
             estimated.set_exception(exc)

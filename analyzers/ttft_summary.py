@@ -195,12 +195,9 @@ _TTFT_ROW = len(TTFT_STAGES)
 _WINDOW_ROWS = np.array([_TTFT_ROW, *range(len(TTFT_STAGES))], dtype=np.intp)
 
 
-def sorted_quantiles(s: np.ndarray, qs: Sequence[float]) -> np.ndarray:
-    """``np.quantile(row, qs)`` of every row of `s` (each row sorted ascending, at least one
-    column): numpy's linear method with its own arithmetic (`numpy.lib._function_base_impl`'s
-    ``_get_indexes`` and ``_lerp``), so that the values are the same to the last bit while
-    one sort serves every quantile of a row. Shape ``(len(qs), rows)``."""
-    m = s.shape[1]
+def _quantile_indexes(m: int, qs: Sequence[float]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """numpy's linear method's order statistics for `qs` over `m` values: the lower and
+    upper index of each quantile (-1: the maximum) and their virtual index."""
     q = np.asarray(qs, dtype=np.float64)
     virtual = (m - 1) * q
     prev = np.floor(virtual)
@@ -208,7 +205,25 @@ def sorted_quantiles(s: np.ndarray, qs: Sequence[float]) -> np.ndarray:
     above = virtual >= m - 1  # past the last index: the maximum
     prev[above] = -1
     nxt[above] = -1
-    prev_i, nxt_i = prev.astype(np.intp), nxt.astype(np.intp)
+    return prev.astype(np.intp), nxt.astype(np.intp), virtual
+
+
+def quantile_positions(m: int, qs: Sequence[float]) -> np.ndarray:
+    """The positions (ascending, distinct) of a row of `m` values (at least one) that
+    `sorted_quantiles` reads for `qs`: a row partitioned at them (``np.partition``, each
+    holding the value a sort puts there) gives the same quantiles as the row sorted."""
+    prev_i, nxt_i, _ = _quantile_indexes(m, qs)
+    return np.unique(np.concatenate([prev_i, nxt_i]) % m)
+
+
+def sorted_quantiles(s: np.ndarray, qs: Sequence[float]) -> np.ndarray:
+    """``np.quantile(row, qs)`` of every row of `s` (at least one column; each row sorted
+    ascending, or partitioned at ``quantile_positions(len(row), qs)``): numpy's linear
+    method with its own arithmetic (`numpy.lib._function_base_impl`'s ``_get_indexes`` and
+    ``_lerp``), so that the values are the same to the last bit while one sort (or
+    partition) serves every quantile of a row. Shape ``(len(qs), rows)``."""
+    m = s.shape[1]
+    prev_i, nxt_i, virtual = _quantile_indexes(m, qs)
     a, b = s[:, prev_i].T, s[:, nxt_i].T
     gamma = (virtual - prev_i)[:, None]
     diff = b - a
@@ -233,7 +248,9 @@ def _summarize_all(part: pd.DataFrame, has_ft: np.ndarray, window_ns: int | None
     arrival = int_column(part, "arrival_ns")
     if not every:
         arrival = arrival[has_ft]
-    srt = np.sort(x, axis=1) if m else x
+    # Each row's order statistics the quantiles read (`_stage_matrix`: QUANTILES; the
+    # slowest requests' threshold: TTFT's p99), in place: a partition, not a sort.
+    srt = np.partition(x, quantile_positions(m, (*QUANTILES, 0.99)), axis=1) if m else x
     stages = _stage_matrix(x, srt)
     slowest = _slowest_matrix(x, srt, part, has_ft)
     w = window_ns or default_window_ns(arrival)
@@ -725,15 +742,18 @@ def _windows_matrix(y: np.ndarray, arrival: np.ndarray, window_ns: int, origin_n
     bounds = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(counts, out=bounds[1:])
     nw = len(starts)
-    # Each row in window order, each window's run sorted in place (as int64: the float64
+    # Each row in window order, each window's run partitioned in place (as int64: the float64
     # conversion is monotonic, so the order statistics are the same values); every window's
     # quantiles then picked at once, with `_group_quantiles`' arithmetic.
     x = y if in_order else y[:, np.argsort(start, kind="stable")]
-    for i in range(nw):
-        x[:, bounds[i]:bounds[i + 1]].sort(axis=1)
     m1 = (counts - 1).astype(np.float64)
     h = np.multiply.outer(np.asarray(QUANTILES, dtype=np.float64), m1)  # (quantile, window)
     j = h.astype(np.int64)  # int(h): h >= 0
+    # Only the order statistics read below need their sorted place: each window's run
+    # partitioned at them (the same values there as a sort puts).
+    kth = np.concatenate([j, np.minimum(j + 1, counts - 1)]).T.tolist()  # per window
+    for i in range(nw):
+        x[:, bounds[i]:bounds[i + 1]].partition(kth[i], axis=1)
     frac = h % 1
     at = bounds[:-1]
     lo = x[:, at + j].astype(np.float64)  # (name, quantile, window)

@@ -168,3 +168,59 @@ def test_without_resamples_the_estimates_are_the_same() -> None:
                                                                       full.per_token_ns)
         assert all(np.isnan(v) for v in (*bare.fixed_ci_ns, *bare.per_token_ci_ns))
         assert full.per_token_ci_ns[0] <= full.per_token_ns <= full.per_token_ci_ns[1]
+
+
+def _long_samples(steps: int):
+    from analyzers.report_read import StepSamples
+
+    rng = np.random.default_rng(13)
+    tokens = rng.integers(16, 512, steps)
+    ns = 3e6 + 25_000.0 * tokens + rng.normal(0, 4e5, steps)
+    return StepSamples(tokens, ns, None)
+
+
+def test_a_bootstrap_shared_with_a_spare_core_is_the_same_bit_for_bit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `spare_core` set (analyze: nothing else left to run), a second thread fits some
+    resamples; every random number is still drawn in order from the one generator, so the
+    model is the same to the last bit as the one thread's."""
+    import threading
+
+    import analyzers.costmodel as cm
+
+    samples = _long_samples(cm._PARALLEL_MIN + 5_000)
+    alone = fit_step_cost(samples, n_boot=24)
+    threads: list[str] = []
+    fit = cm._theil_sen
+
+    def counted(*a: object, **k: object) -> tuple[float, float]:
+        threads.append(threading.current_thread().name)
+        return fit(*a, **k)
+
+    monkeypatch.setattr(cm, "_theil_sen", counted)
+    spare = threading.Event()
+    spare.set()
+    shared = fit_step_cost(samples, n_boot=24, spare_core=spare)
+    assert shared == alone and alone.fitted
+    assert "kvscope-bootstrap" in threads  # the second thread did fit some
+    assert len(threads) == 25  # the estimates and each resample once
+
+
+def test_an_error_in_the_shared_fits_is_raised_by_the_fit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    import analyzers.costmodel as cm
+
+    fit = cm._theil_sen
+
+    def failing(*a: object, **k: object) -> tuple[float, float]:
+        if threading.current_thread().name == "kvscope-bootstrap":
+            raise FloatingPointError("in the second thread")
+        return fit(*a, **k)
+
+    monkeypatch.setattr(cm, "_theil_sen", failing)
+    spare = threading.Event()
+    spare.set()
+    with pytest.raises(FloatingPointError, match="second thread"):
+        fit_step_cost(_long_samples(cm._PARALLEL_MIN), n_boot=24, spare_core=spare)

@@ -58,3 +58,17 @@ def test_tables_equal_the_frames_tidied(seed: int, n: int) -> None:
             "s": ["x", "y"], "b_ns": np.array([3, 4])}
     pd.testing.assert_frame_equal(S._table(data), S._tidy(pd.DataFrame(data)),
                                   check_exact=True)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 10, 101, 1000, 4097])
+def test_quantiles_of_rows_partitioned_at_their_positions_equal_the_sorted(m: int) -> None:
+    """`sorted_quantiles` of rows partitioned at `quantile_positions` (the summary's path)
+    equals it of the rows sorted, and np.quantile, to the last bit (ties, extremes)."""
+    rng = np.random.default_rng(m)
+    x = np.stack([rng.integers(0, 10**9, m), rng.integers(0, 3, m), np.full(m, 7),
+                  -rng.integers(0, 10**12, m)]).astype(np.int64)
+    for qs in (S.QUANTILES, (0.0, 1.0), (0.25, 0.5, 0.75, 0.99, 0.999)):
+        part = np.partition(x, S.quantile_positions(m, qs), axis=1)
+        got = S.sorted_quantiles(part, qs)
+        assert np.array_equal(got, S.sorted_quantiles(np.sort(x, axis=1), qs))
+        assert np.array_equal(got, np.quantile(x, qs, axis=1))
