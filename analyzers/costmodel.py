@@ -379,9 +379,12 @@ def _bootstrap(x: np.ndarray, y: np.ndarray, rng: np.random.Generator, n_boot: i
                 helper = _FitHelper(x, y, boots)
             if helper is None or not helper.take(b, idx, pairs):
                 boots[b] = _theil_sen(x, y, None, idx, pairs)
-    finally:
+    except BaseException:
         if helper is not None:
-            helper.close()  # waits for its fits; raises its error
+            helper.close(raise_error=False)  # joined; this thread's error (or Ctrl-C) wins
+        raise
+    if helper is not None:
+        helper.close()  # waits for its fits; raises its error
     return boots
 
 
@@ -390,6 +393,8 @@ class _FitHelper:
 
     def __init__(self, x: np.ndarray, y: np.ndarray, boots: np.ndarray) -> None:
         self._x, self._y, self._boots = x, y, boots
+        #: The caller's numpy error handling, which a new thread does not inherit.
+        self._errors = np.geterr()
         self._queue: queue.SimpleQueue[tuple[int, np.ndarray, Any] | None] = \
             queue.SimpleQueue()
         self._error: BaseException | None = None
@@ -407,19 +412,22 @@ class _FitHelper:
         return True
 
     def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            if self._error is not None:
-                continue
-            b, idx, pairs = item
-            try:
-                self._boots[b] = _theil_sen(self._x, self._y, None, idx, pairs)
-            except BaseException as exc:  # raised in the caller's thread by `close`
-                self._error = exc
+        with np.errstate(**self._errors):
+            while (item := self._queue.get()) is not None:
+                if self._error is not None:
+                    continue
+                b, idx, pairs = item
+                try:
+                    self._boots[b] = _theil_sen(self._x, self._y, None, idx, pairs)
+                except BaseException as exc:  # raised in the caller's thread by `close`
+                    self._error = exc
 
-    def close(self) -> None:
+    def close(self, *, raise_error: bool = True) -> None:
+        """Stop the thread once its fits are done and join it; then raise its error (unless
+        `raise_error` is False: the caller is raising its own)."""
         self._queue.put(None)
         self._thread.join()
-        if self._error is not None:
+        if raise_error and self._error is not None:
             raise self._error
 
 

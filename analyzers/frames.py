@@ -261,13 +261,14 @@ def require_unique_ids(requests: pd.DataFrame) -> None:
 
 
 def n_distinct(a: np.ndarray) -> int:
-    """``len(np.unique(a))`` of a 1-D numeric array, by one sort and a count of the changes
-    (np.unique also builds the unique array: 10-20 % slower on a large run's hundred
-    thousand values); arrays holding NaN go to np.unique itself (which counts every NaN as
-    one value)."""
+    """``len(np.unique(a))`` of an array, for a 1-D bool, integer or float one by one sort
+    and a count of the changes (np.unique also builds the unique array: 10-20 % slower on a
+    large run's hundred thousand values); any other array, and one holding NaN, goes to
+    np.unique itself (which counts every NaN as one value)."""
     if not len(a):
         return 0
-    if a.dtype.kind == "f" and np.isnan(a).any():
+    if a.dtype.kind not in "biuf" or a.ndim != 1 or (a.dtype.kind == "f"
+                                                      and np.isnan(a).any()):
         return len(np.unique(a))
     s = np.sort(a)
     return 1 + int(np.count_nonzero(s[1:] != s[:-1]))

@@ -224,3 +224,54 @@ def test_an_error_in_the_shared_fits_is_raised_by_the_fit(
     spare.set()
     with pytest.raises(FloatingPointError, match="second thread"):
         fit_step_cost(_long_samples(cm._PARALLEL_MIN), n_boot=24, spare_core=spare)
+
+
+def test_the_callers_error_wins_over_the_shared_fits_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both threads failing in one bootstrap (e.g. Ctrl-C in the caller's while the second
+    thread fails): the caller's exception is the one raised, the second thread joined."""
+    import threading
+
+    import analyzers.costmodel as cm
+
+    fit = cm._theil_sen
+    calls = [0]
+
+    def failing(*a: object, **k: object) -> tuple[float, float]:
+        if threading.current_thread().name == "kvscope-bootstrap":
+            raise FloatingPointError("in the second thread")
+        calls[0] += 1
+        if calls[0] == 6:  # the estimates, then four resamples fitted here
+            raise KeyboardInterrupt
+        return fit(*a, **k)
+
+    monkeypatch.setattr(cm, "_theil_sen", failing)
+    spare = threading.Event()
+    spare.set()
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(KeyboardInterrupt):
+        fit_step_cost(_long_samples(cm._PARALLEL_MIN), n_boot=200, spare_core=spare)
+    assert "kvscope-bootstrap" not in {t.name for t in threading.enumerate()} - before
+
+
+def test_the_shared_fits_keep_the_callers_numpy_error_handling(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new thread starts with numpy's default error handling: the second thread fits under
+    the caller's (`np.errstate` around the fit holds in both threads)."""
+    import threading
+
+    import analyzers.costmodel as cm
+
+    fit = cm._theil_sen
+    seen: dict[str, set[str]] = {}
+
+    def recording(*a: object, **k: object) -> tuple[float, float]:
+        seen.setdefault(threading.current_thread().name, set()).add(np.geterr()["over"])
+        return fit(*a, **k)
+
+    monkeypatch.setattr(cm, "_theil_sen", recording)
+    spare = threading.Event()
+    spare.set()
+    with np.errstate(over="raise"):
+        fit_step_cost(_long_samples(cm._PARALLEL_MIN), n_boot=24, spare_core=spare)
+    assert seen.get("kvscope-bootstrap") == {"raise"}
