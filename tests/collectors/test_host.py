@@ -49,9 +49,14 @@ def test_bad_stat_is_an_error():
 
 def test_watched_process_rss_cpu_and_exit(root):
     root.set_stat(user=1, system=1, idle=1)
-    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
-                             stdin=subprocess.PIPE)
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import sys; print('ready', flush=True); sys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
+        # Read once the child runs its program: Popen can return while the child is still
+        # in exec, whose fresh address space the kernel reports with an RSS of 0 (a flaky 0
+        # in CI); the collector itself reads what /proc says.
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
         c = HostCollector(proc_root=str(root.proc),
                           watch={"engine": child.pid, "self": os.getpid()})
         r = {(x.name, x.labels): x.value for x in c.collect().readings}
@@ -61,6 +66,8 @@ def test_watched_process_rss_cpu_and_exit(root):
     finally:
         child.stdin.close()
         child.wait(10)
+        if child.stdout is not None:
+            child.stdout.close()
     col = c.collect()
     assert [(e.name, e.detail) for e in col.events] == [
         ("process_exited", {"process": "engine", "pid": child.pid})]
