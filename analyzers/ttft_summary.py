@@ -248,8 +248,9 @@ def _summarize_all(part: pd.DataFrame, has_ft: np.ndarray, window_ns: int | None
     arrival = int_column(part, "arrival_ns")
     if not every:
         arrival = arrival[has_ft]
-    # Each row's order statistics the quantiles read (`_stage_matrix`: QUANTILES; the
-    # slowest requests' threshold: TTFT's p99), in place: a partition, not a sort.
+    # A copy of `x` (whose rows the shares and sums still read in request order) with each
+    # row's order statistics that the quantiles read in their sorted places (`_stage_matrix`:
+    # QUANTILES; the slowest requests' threshold: TTFT's p99): a partition, not a sort.
     srt = np.partition(x, quantile_positions(m, (*QUANTILES, 0.99)), axis=1) if m else x
     stages = _stage_matrix(x, srt)
     slowest = _slowest_matrix(x, srt, part, has_ft)
