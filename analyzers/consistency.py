@@ -34,6 +34,7 @@ import pandas as pd
 
 from agent.schema import LOAD_FAIL_REASONS
 from analyzers import frames as F
+from analyzers.ttft import request_rows_by_num
 
 __all__ = ["CHECKED_COLUMNS", "Consistency", "check_consistency", "kv_bytes_per_block_of"]
 
@@ -118,9 +119,9 @@ class _Spans:
     rows of one kind; the integers converted for the rows read only. No DataFrame is built,
     no string copied."""
 
-    def __init__(self, spans: pd.DataFrame, request_ids: pd.Series) -> None:
+    def __init__(self, spans: pd.DataFrame, requests: pd.DataFrame, unique_ids: bool) -> None:
         self.df = spans
-        self.request = _request_rows(spans["request_id"], request_ids)
+        self.request = _span_request_rows(spans, requests, unique_ids)
         self.named = F.valid(spans["request_id"])
         self.name = F.categorize(spans["name"])
         self.tier = F.categorize(spans["tier"])
@@ -131,6 +132,23 @@ class _Spans:
     def ints(self, col: str, rows: np.ndarray, fill: int = -1) -> np.ndarray:
         # the rows read gathered before they are converted: no whole-column array
         return F.ints_at(self.df[col], rows, fill)
+
+
+def _span_request_rows(spans: pd.DataFrame, requests: pd.DataFrame, unique_ids: bool
+                       ) -> np.ndarray:
+    """`_request_rows` of the spans' ids, by the int64 ``request_num`` instead when it names
+    the same rows: a run store writes each span's request_num with its request_id, so when
+    both tables carry the numbers, the spans' numbers are null exactly where their ids are,
+    and the requests' numbers and ids are each given once, a span's number and its id name
+    the same request (as `analyzers.report` matches spans for the partition). An int64 join
+    instead of hashing every span's string id."""
+    if unique_ids and "request_num" in spans and "request_num" in requests and \
+            F.valid(requests["request_num"]).all() and np.array_equal(
+                F.valid(spans["request_num"]), F.valid(spans["request_id"])):
+        nums = F.ints(requests["request_num"])
+        if F.n_distinct(nums) == len(nums):
+            return request_rows_by_num(spans, requests)[0]
+    return _request_rows(spans["request_id"], requests["request_id"])
 
 
 def _request_rows(span_ids: pd.Series, request_ids: pd.Series) -> np.ndarray:
@@ -226,6 +244,7 @@ def _recompute(requests: pd.DataFrame, spans: pd.DataFrame, is_ledger: np.ndarra
     n = len(requests)
     req_ids = requests["request_id"]
     owner = _request_rows(req_ids, req_ids)
+    unique_ids = bool((owner == np.arange(n)).all())  # every id given once (none null)
     owner = np.where(owner >= 0, owner, np.arange(n))
     prompt = F.ints(requests["prompt_tokens"], 0)
     served = F.valid(requests["first_token_ns"])
@@ -233,7 +252,7 @@ def _recompute(requests: pd.DataFrame, spans: pd.DataFrame, is_ledger: np.ndarra
     out: dict[str, np.ndarray] = {}
     out["lookup_tokens"] = np.maximum(0, (prompt - 1) // bs * bs)
 
-    sp = _Spans(spans, req_ids)
+    sp = _Spans(spans, requests, unique_ids)
     led = np.flatnonzero(is_ledger)
     r_all = sp.request[led]
     t_all = sp.ints("start_ns", led)
@@ -375,10 +394,14 @@ def _transfers(sp: _Spans, n: int, ab_owner: np.ndarray, ab_tid: np.ndarray, bs:
     ar = sp.request[act]
     ok = (ar >= 0) & sp.named[act]
     which = F.recode((sp.name[0][act], sp.name[1]), {"h2d": 0, "remote_read": 1})
+    # Only the transfer rows' integers are gathered (a run's activity is mostly lookups and
+    # writes).
+    moved = np.flatnonzero(ok & (which >= 0))
+    act, ar, which = act[moved], ar[moved], which[moved]
     nb, tk, tids = (sp.ints("bytes", act, 0), sp.ints("tokens", act, 0),
                     sp.ints("transfer_id", act))
-    h = ok & (which == 0)
-    reads = np.flatnonzero(ok & (which == 1))
+    h = which == 0
+    reads = np.flatnonzero(which == 1)
     kept = reads[~_pairs_in(ar[reads], tids[reads], ab_owner, ab_tid)]
     return (F.group_sums(ar[h], nb[h], n), F.group_sums(ar[kept], nb[kept], n),
             F.group_sums(ar[kept], tk[kept] // bs, n))

@@ -263,7 +263,7 @@ def partition(
     # of other kinds matter nowhere, and a row that is not a state span only as a load or as an
     # activity stage of a derived request: only those few rows' kinds are compared with
     # "activity" (`_equals_at`, where they are selected below), not every row's.
-    ridx, matched = (_request_rows_by_num(spans, requests) if by_num
+    ridx, matched = (request_rows_by_num(spans, requests) if by_num
                      else (F.request_index(spans["request_id"], requests["request_id"]), False))
     kind = _strings(spans, "kind")
     is_state_kind = _equals_arrow(kind, "state")
@@ -430,7 +430,7 @@ def _activity_rows(kind: pa.Array | pa.ChunkedArray, rows: np.ndarray) -> np.nda
     return rows if ok.all() else rows[ok]
 
 
-def _request_rows_by_num(spans: pd.DataFrame, requests: pd.DataFrame
+def request_rows_by_num(spans: pd.DataFrame, requests: pd.DataFrame
                          ) -> tuple[np.ndarray, bool]:
     """Row of `requests` that each span's request_num names (-1: null or unknown): an
     int64 join, through a dense lookup table when the numbers are compact (a run's are

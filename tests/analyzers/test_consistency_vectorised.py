@@ -88,3 +88,51 @@ def test_recorded_values_equal_to_the_replay_give_no_mismatch() -> None:
     assert check_consistency_replay(fixed, spans, block_size=8,
                                     kv_bytes_per_block=96).mismatches.empty
     assert check_consistency(fixed, spans, block_size=8, kv_bytes_per_block=96).ok
+
+
+def _with_request_nums(req: pd.DataFrame, spans: pd.DataFrame) -> tuple[pd.DataFrame,
+                                                                         pd.DataFrame]:
+    """The run with ``request_num`` in both tables, as a run store writes them: a request's
+    row number, and each span's the number of its request (null with its id); a span of an
+    unknown request gets a number no request has."""
+    req = req.assign(request_num=pd.array(np.arange(len(req)), dtype="Int64"))
+    num = {rid: i for i, rid in reversed(list(enumerate(req["request_id"])))}
+    nums = [None if rid is None or rid != rid else num.get(rid, 10_000)
+            for rid in spans["request_id"]]
+    return req, spans.assign(request_num=pd.array(nums, dtype="Int64"))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_spans_matched_by_request_num_give_the_replays_mismatches(seed: int) -> None:
+    """With request_num in both tables (a run store's spans frame), spans are matched to
+    requests by the number instead of the string id: the same mismatches as the replay (by
+    id), a request id given twice included (then the ids are matched, as before)."""
+    req, spans = _with_request_nums(*_random_run(seed, dup=seed % 3 == 0))
+    got = check_consistency(req, spans, block_size=8, kv_bytes_per_block=96)
+    want = check_consistency_replay(req, spans, block_size=8, kv_bytes_per_block=96)
+    assert len(want.mismatches)
+    pd.testing.assert_frame_equal(got.mismatches, want.mismatches)
+
+
+def test_spans_are_matched_by_request_num_when_it_names_the_same_requests(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The int64 join is taken when the numbers name the same requests as the ids (none
+    null where an id is not, each request's given once), and the string join otherwise."""
+    import analyzers.consistency as cons
+
+    calls: list[str] = []
+    by_num, by_id = cons.request_rows_by_num, cons._request_rows
+    monkeypatch.setattr(cons, "request_rows_by_num",
+                        lambda *a: calls.append("num") or by_num(*a))
+    monkeypatch.setattr(cons, "_request_rows", lambda *a: calls.append("id") or by_id(*a))
+    req, spans = _with_request_nums(*_random_run(3))
+    check_consistency(req, spans, block_size=8)
+    assert calls == ["id", "num"]  # the requests' own ids (owners), then the spans by number
+    for bad_req, bad_spans in (
+            (req.assign(request_num=pd.array([0] * len(req), dtype="Int64")), spans),
+            (req, spans.assign(request_num=spans["request_num"].where(
+                spans.index % 7 != 0, pd.NA))),
+            _with_request_nums(*_random_run(3, dup=True))):
+        calls.clear()
+        check_consistency(bad_req, bad_spans, block_size=8)
+        assert calls == ["id", "id"]
