@@ -114,10 +114,10 @@ _HOST, _REMOTE = 0, 1
 
 
 class _Spans:
-    """The span columns the check reads: the strings decoded once for every row (as codes:
-    the request row each span names, dictionary codes of names and tiers), then taken for the
-    rows of one kind; the integers converted for the rows read only. No DataFrame is built,
-    no string copied."""
+    """The span columns the check reads, decoded once for every row as codes (the request row
+    each span names, by `_span_request_rows`; dictionary codes of names and tiers), then
+    taken for the rows of one kind; the integers converted for the rows read only. No
+    DataFrame is built, no string copied."""
 
     def __init__(self, spans: pd.DataFrame, requests: pd.DataFrame, unique_ids: bool) -> None:
         self.df = spans
@@ -139,9 +139,9 @@ def _span_request_rows(spans: pd.DataFrame, requests: pd.DataFrame, unique_ids: 
     """`_request_rows` of the spans' ids, by the int64 ``request_num`` instead when it names
     the same rows: a run store writes each span's request_num with its request_id, so when
     both tables carry the numbers, the spans' numbers are null exactly where their ids are,
-    and the requests' numbers and ids are each given once, a span's number and its id name
-    the same request (as `analyzers.report` matches spans for the partition). An int64 join
-    instead of hashing every span's string id."""
+    and the requests' numbers and ids are each given once (`unique_ids`: no id null, none
+    twice), a span's number and its id name the same request (as `analyzers.report` matches
+    spans for the partition). An int64 join instead of hashing every span's string id."""
     if unique_ids and "request_num" in spans and "request_num" in requests and \
             F.valid(requests["request_num"]).all() and np.array_equal(
                 F.valid(spans["request_num"]), F.valid(spans["request_id"])):
@@ -244,7 +244,9 @@ def _recompute(requests: pd.DataFrame, spans: pd.DataFrame, is_ledger: np.ndarra
     n = len(requests)
     req_ids = requests["request_id"]
     owner = _request_rows(req_ids, req_ids)
-    unique_ids = bool((owner == np.arange(n)).all())  # every id given once (none null)
+    # Every id given once, none null (index_in matches a null with a null: one null id is
+    # its own row here, and the string join books the spans without an id to it).
+    unique_ids = bool((owner == np.arange(n)).all()) and bool(F.valid(req_ids).all())
     owner = np.where(owner >= 0, owner, np.arange(n))
     prompt = F.ints(requests["prompt_tokens"], 0)
     served = F.valid(requests["first_token_ns"])

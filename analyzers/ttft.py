@@ -431,7 +431,7 @@ def _activity_rows(kind: pa.Array | pa.ChunkedArray, rows: np.ndarray) -> np.nda
 
 
 def request_rows_by_num(spans: pd.DataFrame, requests: pd.DataFrame
-                         ) -> tuple[np.ndarray, bool]:
+                        ) -> tuple[np.ndarray, bool]:
     """Row of `requests` that each span's request_num names (-1: null or unknown): an
     int64 join, through a dense lookup table when the numbers are compact (a run's are
     0..n-1), else a binary search. With it, whether every span names a known request (no

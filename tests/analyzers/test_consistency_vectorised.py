@@ -103,15 +103,36 @@ def _with_request_nums(req: pd.DataFrame, spans: pd.DataFrame) -> tuple[pd.DataF
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_spans_matched_by_request_num_give_the_replays_mismatches(seed: int) -> None:
+@pytest.mark.parametrize("numbers", ["compact", "sparse"])
+def test_spans_matched_by_request_num_give_the_same_check(seed: int, numbers: str) -> None:
     """With request_num in both tables (a run store's spans frame), spans are matched to
-    requests by the number instead of the string id: the same mismatches as the replay (by
-    id), a request id given twice included (then the ids are matched, as before)."""
-    req, spans = _with_request_nums(*_random_run(seed, dup=seed % 3 == 0))
+    requests by the number instead of the string id: the same check as by id (the frames
+    without the numbers) and as the replay, a request id given twice included (then the ids
+    are matched, as before); numbers far apart take the join's binary search."""
+    plain_req, plain_spans = _random_run(seed, dup=seed % 3 == 0)
+    req, spans = _with_request_nums(plain_req, plain_spans)
+    if numbers == "sparse":
+        req["request_num"] = req["request_num"] * 100_003 + 7
+        spans["request_num"] = spans["request_num"] * 100_003 + 7
     got = check_consistency(req, spans, block_size=8, kv_bytes_per_block=96)
+    by_id = check_consistency(plain_req, plain_spans, block_size=8, kv_bytes_per_block=96)
     want = check_consistency_replay(req, spans, block_size=8, kv_bytes_per_block=96)
     assert len(want.mismatches)
-    pd.testing.assert_frame_equal(got.mismatches, want.mismatches)
+    for other in (by_id, want):
+        assert (got.available, got.requests, got.columns, got.reason) == (
+            other.available, other.requests, other.columns, other.reason)
+        pd.testing.assert_frame_equal(got.mismatches, other.mismatches)
+
+
+def test_a_null_request_id_keeps_the_string_join() -> None:
+    """A request without an id: the spans without one are booked as the string join books
+    them (index_in matches a null with a null), not dropped as their null number would."""
+    req, spans = _with_request_nums(*_random_run(4))
+    req.loc[5, "request_id"] = None
+    plain_req, plain_spans = req.drop(columns="request_num"), spans.drop(columns="request_num")
+    got = check_consistency(req, spans, block_size=8, kv_bytes_per_block=96)
+    by_id = check_consistency(plain_req, plain_spans, block_size=8, kv_bytes_per_block=96)
+    pd.testing.assert_frame_equal(got.mismatches, by_id.mismatches)
 
 
 def test_spans_are_matched_by_request_num_when_it_names_the_same_requests(
@@ -128,8 +149,14 @@ def test_spans_are_matched_by_request_num_when_it_names_the_same_requests(
     req, spans = _with_request_nums(*_random_run(3))
     check_consistency(req, spans, block_size=8)
     assert calls == ["id", "num"]  # the requests' own ids (owners), then the spans by number
+    no_id = req.copy()
+    no_id.loc[2, "request_id"] = None
+    no_num = req.copy()
+    no_num.loc[2, "request_num"] = pd.NA
     for bad_req, bad_spans in (
             (req.assign(request_num=pd.array([0] * len(req), dtype="Int64")), spans),
+            (no_id, spans), (no_num, spans), (req.drop(columns="request_num"), spans),
+            (req, spans.drop(columns="request_num")),
             (req, spans.assign(request_num=spans["request_num"].where(
                 spans.index % 7 != 0, pd.NA))),
             _with_request_nums(*_random_run(3, dup=True))):
