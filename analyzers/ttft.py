@@ -58,6 +58,7 @@ __all__ = [
     "PartitionError",
     "TTFTSummary",
     "partition",
+    "request_rows_by_num",
     "summarize",
     "violations",
 ]
