@@ -141,13 +141,10 @@ def _span_request_rows(spans: pd.DataFrame, requests: pd.DataFrame, unique_ids: 
     both tables carry the numbers, the spans' numbers are null exactly where their ids are,
     and the requests' numbers and ids are each given once (`unique_ids`: no id null, none
     twice), a span's number and its id name the same request (as `analyzers.report` matches
-    spans for the partition). An int64 join instead of hashing every span's string id."""
-    if unique_ids and "request_num" in spans and "request_num" in requests and \
-            F.valid(requests["request_num"]).all() and np.array_equal(
-                F.valid(spans["request_num"]), F.valid(spans["request_id"])):
-        nums = F.ints(requests["request_num"])
-        if F.n_distinct(nums) == len(nums):
-            return request_rows_by_num(spans, requests)[0]
+    spans for the partition, `analyzers.frames.nums_name_ids`). An int64 join instead of
+    hashing every span's string id."""
+    if unique_ids and F.nums_name_ids(spans, requests):
+        return request_rows_by_num(spans, requests)[0]
     return _request_rows(spans["request_id"], requests["request_id"])
 
 

@@ -260,6 +260,20 @@ def require_unique_ids(requests: pd.DataFrame) -> None:
         raise InputError(f"requests: duplicate request_id(s) {', '.join(names)}")
 
 
+def nums_name_ids(spans: pd.DataFrame, requests: pd.DataFrame) -> bool:
+    """Whether the int64 ``request_num`` can stand for the string ``request_id`` in matching
+    spans to requests: both frames carry both columns, every request has a number and no two
+    share one, and the spans' numbers are null exactly where their ids are (as a run store
+    writes a span's request_num with its request_id)."""
+    if not {"request_id", "request_num"} <= set(spans.columns) or \
+            not {"request_id", "request_num"} <= set(requests.columns) or \
+            not valid(requests["request_num"]).all():
+        return False
+    nums = ints(requests["request_num"])
+    return n_distinct(nums) == len(nums) and np.array_equal(valid(spans["request_num"]),
+                                                            valid(spans["request_id"]))
+
+
 def n_distinct(a: np.ndarray) -> int:
     """``len(np.unique(a))`` of an array, for a 1-D bool, integer or float one by one sort
     and a count of the changes (np.unique also builds the unique array: 10-20 % slower on a

@@ -279,12 +279,7 @@ def _partition_spans(store: Any, req: pd.DataFrame, spans: pd.DataFrame) -> pd.D
     it is when the numbers are missing anywhere the ids are not."""
     cols = list(PARTITION_SPAN_COLUMNS)
     if not hasattr(store, "frame_without") or not set(cols) <= set(spans.columns) or \
-            "request_id" not in spans or "request_num" not in req or \
-            not F.valid(req["request_num"]).all():
-        return spans
-    nums = F.ints(req["request_num"])
-    if F.n_distinct(nums) != len(nums) or not np.array_equal(
-            F.valid(spans["request_num"]), F.valid(spans["request_id"])):
+            not F.nums_name_ids(spans, req):
         return spans
     return spans[cols]
 

@@ -750,15 +750,16 @@ def _windows_matrix(y: np.ndarray, arrival: np.ndarray, window_ns: int, origin_n
     m1 = (counts - 1).astype(np.float64)
     h = np.multiply.outer(np.asarray(QUANTILES, dtype=np.float64), m1)  # (quantile, window)
     j = h.astype(np.int64)  # int(h): h >= 0
+    j1 = np.minimum(j + 1, counts - 1)
     # Only the order statistics read below need their sorted place: each window's run
     # partitioned at them (the same values there as a sort puts).
-    kth = np.concatenate([j, np.minimum(j + 1, counts - 1)]).T.tolist()  # per window
+    kth = np.concatenate([j, j1]).T.tolist()  # per window
     for i in range(nw):
         x[:, bounds[i]:bounds[i + 1]].partition(kth[i], axis=1)
     frac = h % 1
     at = bounds[:-1]
     lo = x[:, at + j].astype(np.float64)  # (name, quantile, window)
-    hi = x[:, at + np.minimum(j + 1, counts - 1)].astype(np.float64)
+    hi = x[:, at + j1].astype(np.float64)
     v = np.where(frac == 0.0, lo, lo + (hi - lo) * frac)
     # One float block: window_start_s, then a row per (name, quantile) in column order,
     # rounded as `_table` rounds each ns column; one int64 block: window_start_ns, requests.
